@@ -1,0 +1,58 @@
+// The ATen-free interface between the binding layer and the CPU/CUDA kernels.
+//
+// Every list argument holds same-dtype tensors with `numel[i]` elements at index i; the binding layer
+// has already checked lengths, dtypes, devices and contiguity. Device scalars (grad_scale, found_inf,
+// lr, steps) are float32 pointers in the same memory as the lists (host memory for the CPU kernels).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/types.h"
+#include "math/adam.h"
+
+namespace distopt {
+
+// Lists of the fused Adam update; positions in TensorLists::lists.
+enum AdamList : int { kParam = 0, kGrad, kExpAvg, kExpAvgSq, kParamOut, kRemainder, kNumAdamLists };
+
+struct AdamArgs {
+  AdamHyper hyper;
+  double lr = 0.0;                   // eager: this update's lr ...
+  double step = 1.0;                 // ... and step number (already counting this update)
+  const float* lr_ptr = nullptr;     // capturable: lr read from device memory instead
+  TensorList steps;                  // capturable: one float32 step scalar per entry (else empty)
+  const float* grad_scale = nullptr; // g = grad * (*grad_scale); nullptr means 1
+  const float* found_inf = nullptr;  // nonzero: the update is skipped, nothing is written
+};
+
+// lists: param, grad, exp_avg, exp_avg_sq, param_out (may be empty; nullptr entries are skipped),
+// remainder (may be empty; when present params are bf16 high halves and remainders int16).
+void adam_cpu(const TensorLists& lists, const AdamArgs& args);
+
+// out[i] = ||lists.lists[0][i]||_2, *total = ||all||_2 in fp32; *found_inf = 1 if any element is
+// inf/nan (left untouched otherwise; may be nullptr).
+void l2norm_cpu(const TensorLists& lists, float* total, float* per_tensor, float* found_inf);
+
+// lists: in, out. out = in * (*scale) (scale nullptr: plain cast copy). If found_inf_out is set, it
+// is raised when any output is inf/nan. If skip_if is set and nonzero, nothing is written.
+struct ScaleArgs {
+  const float* scale = nullptr;
+  float* found_inf_out = nullptr;
+  const float* skip_if = nullptr;
+};
+void scale_cpu(const TensorLists& lists, const ScaleArgs& args);
+
+#if defined(DISTOPT_WITH_CUDA)
+// CUDA launchers: same contracts, launched on `stream` (a cudaStream_t), never synchronising.
+void adam_cuda(const TensorLists& lists, const AdamArgs& args, void* stream);
+
+// `workspace` must hold l2norm_cuda_workspace_floats(lists) floats of device memory.
+int64_t l2norm_cuda_workspace_floats(const TensorLists& lists);
+void l2norm_cuda(const TensorLists& lists, float* total, float* per_tensor, float* found_inf,
+                 float* workspace, void* stream);
+
+void scale_cuda(const TensorLists& lists, const ScaleArgs& args, void* stream);
+#endif
+
+}  // namespace distopt

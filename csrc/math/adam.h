@@ -1,0 +1,111 @@
+// Per-element math shared by the CPU and CUDA kernels (compiled for host and device).
+//
+// Everything here is fp32 arithmetic in a fixed order, and the CUDA build disables FMA contraction
+// (--fmad=false), so the CPU kernels the tests run compute bit-identical results to the GPU ones.
+// The order follows torch.optim.AdamW's single-tensor path (lerp for the first moment, addcmul for
+// the second, addcdiv for the update) so fp32 results stay within a few ulps of torch.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "../common/types.h"
+
+namespace distopt {
+
+// Hyperparameters that are plain numbers in every variant.
+struct AdamHyper {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adam_w_mode = true;  // true: decoupled decay (AdamW); false: L2 added to the gradient (Adam)
+};
+
+// Coefficients of one update, derived once per (lr, step) from AdamHyper.
+struct AdamCoeffs {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
+  float l2;         // Adam mode: g += l2 * p; 0 in AdamW mode
+  float decay;      // AdamW mode: p *= 1 - lr * wd; 1 in Adam mode
+  float step_size;  // lr / (1 - beta1^step)
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+};
+
+// Bias corrections in double, like torch computes them in Python. `step` counts this update (>= 1).
+DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
+  AdamCoeffs c;
+  c.beta1 = static_cast<float>(h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.eps = static_cast<float>(h.eps);
+  c.l2 = h.adam_w_mode ? 0.0f : static_cast<float>(h.weight_decay);
+  c.decay = h.adam_w_mode ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
+  c.step_size = static_cast<float>(lr / (1.0 - ::pow(h.beta1, step)));
+  c.bc2_sqrt = static_cast<float>(::sqrt(1.0 - ::pow(h.beta2, step)));
+  return c;
+}
+
+// One Adam/AdamW update of a single element; g is already multiplied by the grad scale.
+DISTOPT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoeffs& c) {
+  if (c.l2 != 0.0f) g = g + c.l2 * p;
+  m = m + c.one_minus_beta1 * (g - m);  // torch.lerp for weight < 0.5
+  v = v * c.beta2 + c.one_minus_beta2 * g * g;
+  p = p * c.decay;
+  const float denom = ::sqrtf(v) / c.bc2_sqrt + c.eps;
+  p = p - c.step_size * m / denom;
+}
+
+DISTOPT_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+DISTOPT_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+DISTOPT_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+// An fp32 master value stored as a bf16 (its high half, rounded to nearest) plus an int16 low
+// half. The bf16 is a usable model param; together they hold the fp32 value bit for bit.
+// Split: keep the low 16 bits; if they are >= 0x8000 (negative as int16) the high half was rounded
+// up in magnitude, which join undoes. Ties round away from zero (torch's cast rounds them to even).
+DISTOPT_HD float join_bf16_remainder(bf16_t hi, int16_t lo) {
+  uint32_t hi_bits = hi.x;
+  if (lo < 0) hi_bits -= 1;
+  return bits_float((hi_bits << 16) | static_cast<uint16_t>(lo));
+}
+
+DISTOPT_HD void split_bf16_remainder(float x, bf16_t& hi, int16_t& lo) {
+  const uint32_t bits = float_bits(x);
+  lo = static_cast<int16_t>(bits & 0xffffu);
+  uint32_t hi_bits = bits >> 16;
+  if (lo < 0) hi_bits += 1;
+  hi = bf16_t(static_cast<uint16_t>(hi_bits), bf16_t::from_bits());
+}
+
+// Element load/store with the fp32 compute type.
+template <typename T>
+DISTOPT_HD float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+DISTOPT_HD T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+}  // namespace distopt

@@ -1,0 +1,33 @@
+// The one place op implementations are registered with the dispatcher. The schemas themselves are
+// defined in distopt/ops.py, so the pure-PyTorch fallback and these kernels share them.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "binding.h"
+
+namespace distopt {
+namespace {
+
+void register_impls(torch::Library& m) {
+  m.impl("adam_step_", &adam_step_);
+  m.impl("adam_step_capturable_", &adam_step_capturable_);
+  m.impl("l2norm", &l2norm);
+  m.impl("scale_", &scale_);
+  m.impl("cast_copy_", &cast_copy_);
+}
+
+}  // namespace
+}  // namespace distopt
+
+TORCH_LIBRARY_IMPL(distopt, CPU, m) { distopt::register_impls(m); }
+
+#if defined(DISTOPT_WITH_CUDA)
+TORCH_LIBRARY_IMPL(distopt, CUDA, m) { distopt::register_impls(m); }
+#endif
+
+// `import distopt._C` loads this library (running the registrations above); the module is empty.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,7 @@
+"""distopt: fused multi-tensor Adam kernels and optimizers for PyTorch."""
+
+import torch  # noqa: F401  (torch must be loaded before the extension)
+
+from . import ops
+
+__all__ = ["ops"]

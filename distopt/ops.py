@@ -1,0 +1,198 @@
+"""distopt's fused multi-tensor ops: schemas, typed wrappers, fake kernels and the fallback.
+
+The schemas are defined here (``torch.ops.distopt.*``); ``distopt._C`` registers the C++ CPU and CUDA
+kernels for them (csrc/registration.cpp). If ``_C`` cannot be imported, or was built without CUDA
+kernels, the pure-PyTorch versions in ``reference.py`` are registered instead, with one warning, so
+every op keeps working (slower). Schemas state exactly which arguments each op mutates, and every op
+has a fake kernel, so the ops work under torch.compile and inside CUDA-graph capture. Kernels launch on
+the current CUDA stream and never synchronise with the host.
+
+Conventions shared by all ops:
+  * list arguments hold same-dtype tensors on one device; entries at the same index have the same
+    shape and strides (any dense layout, e.g. channels_last, is walked in memory order);
+  * ``grad_scale``, ``found_inf``, ``skip_if``, ``scale``, ``lr`` and ``steps`` are float32
+    one-element tensors on that device;
+  * ``found_inf`` as an input means "skip": a nonzero value makes the op write nothing at all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+_SCHEMAS = {
+    "adam_step_": (
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, float lr, float beta1, float beta2, "
+        "float eps, float weight_decay, int step, bool adam_w_mode, Tensor? grad_scale, "
+        "Tensor? found_inf) -> ()"
+    ),
+    "adam_step_capturable_": (
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, Tensor lr, float beta1, float beta2, "
+        "float eps, float weight_decay, Tensor[] steps, bool adam_w_mode, Tensor? grad_scale, "
+        "Tensor? found_inf) -> ()"
+    ),
+    "l2norm": "(Tensor[] tensors, Tensor(a!)? found_inf) -> (Tensor, Tensor)",
+    "scale_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor scale, Tensor(b!)? found_inf) -> ()",
+    "cast_copy_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor? skip_if) -> ()",
+}
+
+_lib = torch.library.Library("distopt", "DEF")
+for _name, _schema in _SCHEMAS.items():
+    _lib.define(_name + _schema)
+
+
+# Fake kernels: shapes only, for torch.compile / FakeTensor tracing.
+def _fake_nothing(*args, **kwargs) -> None:
+    return None
+
+
+for _name in ("adam_step_", "adam_step_capturable_", "scale_", "cast_copy_"):
+    torch.library.register_fake(f"distopt::{_name}", _fake_nothing, lib=_lib)
+
+
+@torch.library.register_fake("distopt::l2norm", lib=_lib)
+def _l2norm_fake(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+    t = tensors[0]
+    return t.new_empty((), dtype=torch.float32), t.new_empty((len(tensors),), dtype=torch.float32)
+
+
+def _load_extension() -> tuple[bool, str]:
+    """Imports distopt._C (registering its kernels); returns (loaded, reason if not)."""
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+HAS_EXTENSION, _IMPORT_ERROR = _load_extension()
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether the compiled extension registered a kernel of ``op`` for ``device_type`` ("CPU"/"CUDA")."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"distopt::{op}", device_type.upper())
+
+
+def _register_fallbacks() -> None:
+    missing = [
+        (name, key) for name in _SCHEMAS for key in ("CPU", "CUDA") if not (HAS_EXTENSION and has_kernel(name, key))
+    ]
+    for name, key in missing:
+        _lib.impl(name, getattr(reference, name), key)
+    if not HAS_EXTENSION:
+        warnings.warn(
+            f"distopt._C could not be imported ({_IMPORT_ERROR}); using the pure-PyTorch reference ops "
+            "(correct but slower). Build it with `pip install --no-build-isolation -e .`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    elif any(key == "CUDA" for _, key in missing) and torch.cuda.is_available():
+        warnings.warn(
+            "distopt._C was built without CUDA kernels; CUDA tensors use the pure-PyTorch reference ops.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+_register_fallbacks()
+
+
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: float,
+    step: int,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    param_outs: Sequence[Tensor] = (),
+    param_remainders: Sequence[Tensor] = (),
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One fused Adam/AdamW update of every tensor, in place, with lr and step given as numbers.
+
+    ``g = grad * grad_scale``; Adam (L2 decay added to g) or AdamW (decoupled decay); bias correction
+    for ``step`` (this update's number, >= 1). Writes params (fp32/fp16/bf16), exp_avgs and
+    exp_avg_sqs (fp32), and, if given, ``param_outs`` (a copy in any float dtype, e.g. the bf16 model
+    params of fp32 masters; entries aliasing their param are skipped). With ``param_remainders``
+    (int16), params are bf16 high halves of fp32 masters whose low halves are the remainders. Math is
+    fp32. If ``found_inf`` is nonzero nothing is written.
+    """
+    if not params:
+        return
+    torch.ops.distopt.adam_step_(
+        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
+        lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale, found_inf,
+    )  # fmt: skip
+
+
+def adam_step_capturable_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: Tensor,
+    steps: Sequence[Tensor],
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    param_outs: Sequence[Tensor] = (),
+    param_remainders: Sequence[Tensor] = (),
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """``adam_step_`` reading lr and each tensor's step from device tensors (no host sync).
+
+    ``steps[i]`` already counts this update (the caller increments it by ``1 - found_inf``); the same
+    step tensor may appear for many entries. A CUDA graph that captured this op replays with whatever
+    ``lr`` and ``steps`` hold at replay time.
+    """
+    if not params:
+        return
+    torch.ops.distopt.adam_step_capturable_(
+        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
+        lr, beta1, beta2, eps, weight_decay, steps, adam_w_mode, grad_scale, found_inf,
+    )  # fmt: skip
+
+
+def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(total, per_tensor) L2 norms as float32 tensors, squares in fp32, sums at least in fp32.
+
+    In the same pass, ``found_inf`` (if given) is set to 1 when any element is inf or nan; it is left
+    as it was otherwise, so one flag can collect several calls.
+    """
+    if not tensors:
+        raise ValueError("l2norm needs at least one tensor")
+    return torch.ops.distopt.l2norm(tensors, found_inf)
+
+
+def scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor, found_inf: Tensor | None = None) -> None:
+    """``outputs[i] = inputs[i] * scale`` (fp32 product, cast to the output dtype).
+
+    ``found_inf`` (if given) is set to 1 when any stored output is inf/nan (a cast overflow counts).
+    An output may be its input (in place); partial overlaps are refused.
+    """
+    if inputs:
+        torch.ops.distopt.scale_(inputs, outputs, scale, found_inf)
+
+
+def cast_copy_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], skip_if: Tensor | None = None) -> None:
+    """``outputs[i] = inputs[i]`` cast to the output dtype, unless ``skip_if`` is nonzero."""
+    if inputs:
+        torch.ops.distopt.cast_copy_(inputs, outputs, skip_if)

@@ -1,0 +1,173 @@
+"""Pure-PyTorch versions of every distopt op: the test oracle, and the fallback when ``_C`` is absent.
+
+Signatures match the op schemas in ``ops.py``. The Adam update and the norms are computed in float64
+and rounded once into each output; scaling and casting compute the same fp32 product as the kernels,
+so they match them bit for bit. Nothing here synchronises with the host: the skip flag is applied with
+``torch.where``, so a skipped update rewrites every output with its old bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_INT16_MASK = 0xFFFF
+
+
+def _skip_mask(found_inf: Tensor | None, device: torch.device) -> Tensor:
+    if found_inf is None:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return found_inf.reshape(()) != 0
+
+
+def _write(dst: Tensor, value: Tensor, skip: Tensor) -> None:
+    """dst = value (cast to dst's dtype), unless skip: then dst keeps its bits."""
+    dst.copy_(torch.where(skip, dst, value.to(dst.dtype)))
+
+
+def join_bf16_remainder(hi: Tensor, lo: Tensor) -> Tensor:
+    """fp32 values from bf16 high halves and int16 low halves (see csrc/math/adam.h)."""
+    hi_bits = hi.view(torch.int16).to(torch.int64) & _INT16_MASK
+    lo64 = lo.to(torch.int64)
+    hi_bits = (hi_bits - (lo64 < 0).to(torch.int64)) & _INT16_MASK
+    bits = (hi_bits << 16) | (lo64 & _INT16_MASK)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def split_bf16_remainder(x: Tensor) -> tuple[Tensor, Tensor]:
+    """bf16 high halves (rounded half away from zero in magnitude) and int16 low halves of fp32 x."""
+    bits = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo = bits & _INT16_MASK
+    lo_signed = torch.where(lo >= 2**15, lo - 2**16, lo)
+    hi = ((bits >> 16) + (lo_signed < 0).to(torch.int64)) & _INT16_MASK
+    hi_signed = torch.where(hi >= 2**15, hi - 2**16, hi)
+    return hi_signed.to(torch.int16).view(torch.bfloat16), lo_signed.to(torch.int16)
+
+
+def _adam(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    param_outs: Sequence[Tensor],
+    param_remainders: Sequence[Tensor],
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    steps: Sequence[float | Tensor],
+    adam_w_mode: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    if not params:
+        return
+    device = params[0].device
+    skip = _skip_mask(found_inf, device)
+    scale = grad_scale.double().reshape(()) if grad_scale is not None else 1.0
+    lr64 = lr.double().reshape(()) if isinstance(lr, Tensor) else lr
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
+        step = steps[i]
+        step64 = step.double().reshape(()) if isinstance(step, Tensor) else float(step)
+        if param_remainders:
+            p64 = join_bf16_remainder(p, param_remainders[i]).double()
+        else:
+            p64 = p.double()
+        g64 = g.double() * scale
+        if not adam_w_mode and weight_decay != 0:
+            g64 = g64 + weight_decay * p64
+        m64 = m.double() * beta1 + (1 - beta1) * g64
+        v64 = v.double() * beta2 + (1 - beta2) * g64 * g64
+        if adam_w_mode:
+            p64 = p64 * (1 - lr64 * weight_decay)
+        bias_correction1 = 1 - beta1**step64
+        bias_correction2 = 1 - beta2**step64
+        denom = v64.sqrt() / (bias_correction2**0.5) + eps
+        p64 = p64 - (lr64 / bias_correction1) * m64 / denom
+
+        _write(m, m64, skip)
+        _write(v, v64, skip)
+        if param_remainders:
+            hi, lo = split_bf16_remainder(p64.float())
+            _write(p, hi, skip)
+            _write(param_remainders[i], lo, skip)
+        else:
+            _write(p, p64, skip)
+        if param_outs and param_outs[i].data_ptr() != p.data_ptr():
+            _write(param_outs[i], p64, skip)
+
+
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    param_outs: Sequence[Tensor],
+    param_remainders: Sequence[Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adam_w_mode: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
+          weight_decay, [step] * len(params), adam_w_mode, grad_scale, found_inf)
+
+
+def adam_step_capturable_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    param_outs: Sequence[Tensor],
+    param_remainders: Sequence[Tensor],
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    steps: Sequence[Tensor],
+    adam_w_mode: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
+          weight_decay, steps, adam_w_mode, grad_scale, found_inf)
+
+
+def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+    per_tensor_sq = torch.stack([t.double().square().sum() for t in tensors])
+    if found_inf is not None:
+        nonfinite = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+        found_inf.copy_(torch.where(nonfinite, torch.ones_like(found_inf), found_inf))
+    return per_tensor_sq.sum().sqrt().float(), per_tensor_sq.sqrt().float()
+
+
+def _scale_into(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor | None) -> Tensor:
+    """Writes inputs * scale (fp32 product) into outputs; returns whether any stored value is nonfinite."""
+    nonfinite = torch.zeros((), dtype=torch.bool, device=inputs[0].device)
+    for x, out in zip(inputs, outputs, strict=True):
+        y = x.float() * scale.float().reshape(()) if scale is not None else x
+        out.copy_(y.to(out.dtype))
+        nonfinite = nonfinite | ~torch.isfinite(out).all()
+    return nonfinite
+
+
+def scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor, found_inf: Tensor | None) -> None:
+    nonfinite = _scale_into(inputs, outputs, scale)
+    if found_inf is not None:
+        found_inf.copy_(torch.where(nonfinite, torch.ones_like(found_inf), found_inf))
+
+
+def cast_copy_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], skip_if: Tensor | None) -> None:
+    skip = _skip_mask(skip_if, inputs[0].device)
+    for x, out in zip(inputs, outputs, strict=True):
+        _write(out, x, skip)
