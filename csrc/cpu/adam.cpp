@@ -5,7 +5,7 @@
 namespace distopt {
 namespace {
 
-template <typename P, typename G, typename O, bool kRemainder>
+template <typename P, typename G, typename O, bool kRem>
 void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float grad_scale) {
   auto* p = static_cast<P*>(tl.lists[kParam].data[i]);
   const auto* g = static_cast<const G*>(tl.lists[kGrad].data[i]);
@@ -14,11 +14,11 @@ void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float gr
   O* out = nullptr;
   if constexpr (is_present<O>) out = static_cast<O*>(tl.lists[kParamOut].data[i]);
   int16_t* rem = nullptr;
-  if constexpr (kRemainder) rem = static_cast<int16_t*>(tl.lists[kRemainder].data[i]);
+  if constexpr (kRem) rem = static_cast<int16_t*>(tl.lists[kRemainder].data[i]);
 
   for (int64_t j = 0; j < tl.numel[i]; ++j) {
     float pj;
-    if constexpr (kRemainder) {
+    if constexpr (kRem) {
       pj = join_bf16_remainder(p[j], rem[j]);
     } else {
       pj = to_float(p[j]);
@@ -27,7 +27,7 @@ void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float gr
     adam_update(pj, to_float(g[j]) * grad_scale, mj, vj, c);
     m[j] = mj;
     v[j] = vj;
-    if constexpr (kRemainder) {
+    if constexpr (kRem) {
       split_bf16_remainder(pj, p[j], rem[j]);
     } else {
       p[j] = from_float<P>(pj);
