@@ -3,5 +3,6 @@
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from . import ops
+from .fused_adam import FusedAdam
 
-__all__ = ["ops"]
+__all__ = ["FusedAdam", "ops"]

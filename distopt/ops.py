@@ -43,6 +43,8 @@ _SCHEMAS = {
     "cast_copy_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor? skip_if) -> ()",
 }
 
+OP_NAMES = tuple(_SCHEMAS)
+
 _lib = torch.library.Library("distopt", "DEF")
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -80,10 +82,19 @@ def has_kernel(op: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"distopt::{op}", device_type.upper())
 
 
+# What the compiled extension registered, read before any fallback is registered over the gaps.
+COMPILED_KERNELS = frozenset(
+    (op, key) for op in OP_NAMES for key in ("CPU", "CUDA") if HAS_EXTENSION and has_kernel(op, key)
+)
+
+
+def missing_kernels(device_types: Sequence[str] = ("CPU", "CUDA")) -> list[str]:
+    """``op:DEVICE`` for every op that has no compiled kernel for a device type (empty: all built)."""
+    return [f"{op}:{key}" for op in OP_NAMES for key in device_types if (op, key.upper()) not in COMPILED_KERNELS]
+
+
 def _register_fallbacks() -> None:
-    missing = [
-        (name, key) for name in _SCHEMAS for key in ("CPU", "CUDA") if not (HAS_EXTENSION and has_kernel(name, key))
-    ]
+    missing = [tuple(entry.split(":")) for entry in missing_kernels()]
     for name, key in missing:
         _lib.impl(name, getattr(reference, name), key)
     if not HAS_EXTENSION:

@@ -1,0 +1,53 @@
+"""Argument checks shared by the optimizers: clear errors before any state is touched."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+
+def _number(x: float | Tensor) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_decay: float) -> None:
+    """Raises ValueError for a negative lr/eps/weight_decay or betas outside [0, 1)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
+    if not _number(lr) >= 0.0:
+        raise ValueError(f"Invalid learning rate: {_number(lr)} (must be >= 0)")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
+    if not float(weight_decay) >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair of numbers, got {betas!r}") from None
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= _number(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {_number(beta)} (must be in [0, 1))")
+
+
+def check_unique_params(params: Iterable[Tensor]) -> None:
+    """Raises ValueError if a tensor appears twice (in one group or across groups)."""
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must be tensors, got {type(p).__name__}")
+        if id(p) in seen:
+            raise ValueError("a parameter appears more than once in the optimizer's param groups")
+        seen.add(id(p))
+
+
+def is_dense(t: Tensor) -> bool:
+    """Whether t's elements fill its memory exactly once in some dimension order (contiguous,
+    channels_last, any permutation): the layouts a kernel can walk as one flat array."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,0 +1,274 @@
+"""FusedAdam: a drop-in for ``torch.optim.AdamW`` (and ``Adam``) running distopt's fused kernel."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._validation import check_adam_hyperparameters, check_unique_params, is_dense
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
+    model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
+
+    Args mirror ``torch.optim.AdamW``; defaults are AdamW's (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=1e-2):
+      adam_w_mode: True (default) decouples weight decay (AdamW); False adds it to the gradient
+        (``torch.optim.Adam``). Stored per param group, so groups may differ.
+      master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["master_param"]``;
+        the update runs on the masters and writes the model params in the same pass. Off by default:
+        16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).
+      capturable: keep lr (as a float32 tensor in ``group["lr"]``) and each param's step on the GPU
+        and never synchronise, so ``step()`` can be captured in a CUDA graph. Requires CUDA params.
+        LR schedulers keep working: they update the lr tensor in place, and a graph replays with it.
+
+    State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
+    ``exp_avg`` and ``exp_avg_sq`` (fp32, the param's shape and memory format), so state dicts move
+    between this class and ``torch.optim.AdamW`` both ways.
+
+    Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
+    inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
+    Without ``capturable`` that costs one read of the flag on the host (the same synchronisation the
+    scaler makes for any optimizer); with ``capturable`` there is none.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        adam_w_mode: bool = True,
+        master_weights: bool = False,
+        capturable: bool = False,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        self.master_weights = master_weights
+        self.capturable = capturable
+        super().__init__(params, defaults)  # checks each group through add_param_group
+
+    def _check_params(self, params: list[Tensor]) -> None:
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"FusedAdam: all params must be on one device, got {sorted(map(str, devices))}")
+        self._device = next(iter(devices)) if devices else torch.device("cpu")
+        for p in params:
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"FusedAdam: params must be float32, float16 or bfloat16, got {p.dtype}")
+            if not is_dense(p):
+                raise ValueError("FusedAdam: params must be dense tensors (non-overlapping, no gaps)")
+        if self.capturable and self._device.type != "cuda":
+            raise ValueError(
+                f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
+            )
+
+    @staticmethod
+    def _device_lr(lr: float | Tensor, device: torch.device) -> Tensor:
+        if isinstance(lr, Tensor):
+            if lr.device == device and lr.dtype == torch.float32:
+                return lr
+            return lr.detach().to(device=device, dtype=torch.float32)
+        return torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            all_params = [p for g in self.param_groups for p in g["params"]]
+            check_unique_params(all_params)
+            self._check_params(all_params)
+            check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        except Exception:
+            self.param_groups.pop()  # a rejected group leaves the optimizer as it was
+            raise
+        if self.capturable:
+            group["lr"] = self._device_lr(group["lr"], self._device)
+
+    # ------------------------------------------------------------------ step
+
+    def _uses_master(self, p: Tensor) -> bool:
+        return self.master_weights and p.dtype != torch.float32
+
+    def _init_state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            if self.capturable and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "FusedAdam: optimizer state is created by the first step; run one eager step "
+                    "before capturing step() in a CUDA graph"
+                )
+            step_device = p.device if self.capturable else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            if self._uses_master(p):
+                state["master_param"] = p.detach().float()
+        return state
+
+    @staticmethod
+    def _check_grad(p: Tensor) -> Tensor:
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError("FusedAdam does not support sparse gradients")
+        if g.is_complex() or g.dtype not in _FLOAT_DTYPES:
+            raise RuntimeError(f"FusedAdam: gradients must be float32, float16 or bfloat16, got {g.dtype}")
+        if g.shape != p.shape or g.device != p.device:
+            raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(g.shape)} on {g.device} does not match "
+                               f"its param ({tuple(p.shape)} on {p.device})")
+        if g.stride() != p.stride():
+            # The kernel walks every list in the param's memory order.
+            g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+        return g
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every param that has a gradient. ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # Everything is checked before anything (state included) is touched.
+        work = []
+        for group in self.param_groups:
+            check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            params = [p for p in group["params"] if p.grad is not None]
+            work.append((group, params, [self._check_grad(p) for p in params]))
+
+        grad_scale, found_inf = self._amp_scalars()
+        if found_inf is not None and not self.capturable and found_inf.item() != 0:
+            return loss  # an inf/nan step: nothing changes, the step counters included
+
+        for group, params, grads in work:
+            if params:
+                self._step_group(group, params, grads, grad_scale, found_inf)
+        return loss
+
+    def _amp_scalars(self) -> tuple[Tensor | None, Tensor | None]:
+        """(inverse scale, found_inf) handed over by ``GradScaler.step`` through attributes."""
+        scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        inv_scale = None
+        if scale is not None:
+            # In double, as GradScaler.unscale_ does, so both paths multiply by the same float.
+            inv_scale = scale.double().reciprocal().float().to(self._device)
+        if found_inf is not None:
+            found_inf = found_inf.to(device=self._device, dtype=torch.float32).reshape(())
+        return inv_scale, found_inf
+
+    def _step_group(self, group, params, grads, grad_scale, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                     adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
+        # One kernel call per combination of dtypes (and of step number, in eager mode).
+        buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
+        for p, g in zip(params, grads):
+            state = self._init_state(p)
+            master = state.get("master_param")
+            key = (p.dtype, g.dtype, master is not None)
+            if not self.capturable:
+                key += (int(state["step"].item()),)
+            buckets[key].append((p, g, state))
+
+        for key, entries in buckets.items():
+            has_master = key[2]
+            states = [s for _, _, s in entries]
+            lists = dict(
+                params=[s["master_param"] if has_master else p for p, _, s in entries],
+                grads=[g for _, g, _ in entries],
+                exp_avgs=[s["exp_avg"] for s in states],
+                exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+                param_outs=[p for p, _, _ in entries] if has_master else (),
+            )
+            steps = [s["step"] for s in states]
+            if self.capturable:
+                lr = group["lr"]
+                if not isinstance(lr, Tensor):  # set as a number after construction
+                    lr = group["lr"] = self._device_lr(lr, self._device)
+                torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
+                ops.adam_step_capturable_(**lists, lr=lr, steps=steps, found_inf=found_inf, **hyper)
+            else:
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
+                torch._foreach_add_(steps, 1)
+
+    # ------------------------------------------------------------------ state dicts
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``.
+
+        Moments are kept in fp32 whatever dtype they were saved in (torch saves them in the param
+        dtype); a missing ``master_param`` is taken from the current param. A torch group's
+        ``decoupled_weight_decay`` sets ``adam_w_mode``. Everything is checked before anything changes.
+        """
+        saved_groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+            raise ValueError("FusedAdam.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} param groups, "
+                             f"the optimizer has {len(self.param_groups)}")
+        id_map: dict[Any, Tensor] = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"a loaded param group has {len(saved['params'])} params, "
+                                 f"the optimizer's has {len(group['params'])}")
+            if saved.get("amsgrad") or saved.get("maximize"):
+                raise ValueError("FusedAdam cannot continue a run that used amsgrad or maximize")
+            check_adam_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
+            id_map.update(zip(saved["params"], group["params"]))
+
+        new_state: dict[Tensor, dict[str, Any]] = {}
+        for key, saved in saved_state.items():
+            if key not in id_map:
+                raise ValueError(f"loaded state refers to param {key!r}, which no param group holds")
+            p = id_map[key]
+            new_state[p] = self._convert_state(p, saved)
+
+        self.state = defaultdict(dict, new_state)
+        for group, saved in zip(self.param_groups, saved_groups):
+            for name in ("betas", "eps", "weight_decay", "adam_w_mode"):
+                if name in saved:
+                    group[name] = saved[name]
+            if "decoupled_weight_decay" in saved:
+                group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+            if self.capturable:
+                group["lr"] = self._device_lr(group["lr"], self._device)
+                group["lr"].fill_(float(saved["lr"]))
+            else:
+                group["lr"] = float(saved["lr"]) if isinstance(saved["lr"], Tensor) else saved["lr"]
+
+    def _convert_state(self, p: Tensor, saved: dict[str, Any]) -> dict[str, Any]:
+        """One param's saved state in this optimizer's layout (fp32, param's device and strides)."""
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            if name not in saved:
+                raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} lacks {name!r}")
+        out: dict[str, Any] = {}
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            value = saved.get(name)
+            if value is None:
+                continue
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
+            out[name] = torch.empty_like(p, dtype=torch.float32).copy_(value)
+        if self._uses_master(p) and "master_param" not in out:
+            out["master_param"] = p.detach().float()
+        if not self._uses_master(p):
+            out.pop("master_param", None)
+        step = saved["step"]
+        step_value = float(step.item() if isinstance(step, Tensor) else step)
+        step_device = p.device if self.capturable else torch.device("cpu")
+        out["step"] = torch.tensor(step_value, dtype=torch.float32, device=step_device)
+        return out
