@@ -1,0 +1,224 @@
+"""Timing, copy-bandwidth and result-writing helpers shared by the benchmark scripts.
+
+Timing method (DESIGN.md section 6): warm-up, then many timed runs, reporting the median with the 10th
+and 90th percentiles. On CUDA each run is bracketed by CUDA events (GPU time, no host sync inside the
+loop); on CPU by ``time.perf_counter``.
+
+Cold caches on CUDA: before every timed run we overwrite a 256 MiB buffer (5x the H100's 50 MB L2),
+as ``triton.testing.do_bench`` does. We chose this over rotating copies of the inputs because
+rotation would need (2 x L2 / working set) copies of every tensor *and* of each copy's optimizer state,
+which is awkward for the torch pipeline (torch.optim owns its state) and pointless at large sizes; the
+flush costs a constant 256 MiB and leaves every size equally cold, like a real optimizer step that
+follows the backward pass. The flush also gives the host a head start of ~0.1 ms, so launch overhead is
+hidden up to that; beyond it (many tiny kernels) the events measure it, as a training step would feel it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 2**20
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """How many runs to make: ``warmup`` untimed, then ``min_reps``..``max_reps`` timed, as many as
+    fit in ``budget_s`` (estimated from the warm-up)."""
+
+    warmup: int = 5
+    min_reps: int = 20
+    max_reps: int = 200
+    budget_s: float = 0.3
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per run: median and 10th/90th percentiles over ``reps`` runs."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+
+
+def summarize(times_ms: Sequence[float]) -> Timing:
+    """Median and p10/p90 of the run times (the median is robust to the odd preempted run)."""
+    if len(times_ms) < 2:
+        t = float(times_ms[0])
+        return Timing(t, t, t, len(times_ms))
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return Timing(statistics.median(times_ms), deciles[0], deciles[-1], len(times_ms))
+
+
+@functools.cache
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+
+def flush_l2(device: torch.device) -> None:
+    """Overwrites a buffer larger than L2 so that the next run starts with cold caches."""
+    _flush_buffer(device).zero_()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _num_reps(fn: Callable[[], Any], setup: Callable[[], Any] | None, device: torch.device, cfg: TimingConfig) -> int:
+    """Runs the warm-up and sizes the timed loop to fit the time budget."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(max(cfg.warmup, 1)):
+        if setup is not None:
+            setup()
+        fn()
+    _sync(device)
+    per_run = (time.perf_counter() - start) / max(cfg.warmup, 1)
+    return int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_s / max(per_run, 1e-9))))
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: torch.device,
+    cfg: TimingConfig = TimingConfig(),
+    setup: Callable[[], Any] | None = None,
+) -> Timing:
+    """Times ``fn()`` on ``device``; ``setup()`` (untimed) runs before each call, e.g. to restore
+    inputs that ``fn`` modifies in place."""
+    reps = _num_reps(fn, setup, device, cfg)
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            if setup is not None:
+                setup()
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return summarize(times)
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        if setup is not None:
+            setup()
+        flush_l2(device)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    """Bandwidth in GB/s (1e9 bytes per second)."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def copy_bandwidth(device: torch.device, numel: int, cfg: TimingConfig = TimingConfig()) -> tuple[float, Timing]:
+    """Measured ``dst.copy_(src)`` bandwidth of an fp32 buffer of ``numel`` elements, in GB/s counting
+    the bytes read plus the bytes written: the practical ceiling for a memory-bound kernel."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    timing = time_fn(lambda: dst.copy_(src), device, cfg)
+    return gbps(2 * src.nbytes, timing.median_ms), timing
+
+
+def git_commit() -> str | None:
+    """HEAD's hash with a ``-dirty`` suffix if the tree has changes; None outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def device_name(device: torch.device) -> str:
+    """Human-readable name of the device the benchmark ran on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} torch threads)"
+
+
+def run_metadata(device: torch.device, **extra: Any) -> dict[str, Any]:
+    """Where and when the results were measured, for results.json."""
+    return {
+        "device": device.type,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        **extra,
+    }
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: Sequence[Any]) -> None:
+    """Writes ``{"meta": ..., "rows": [...]}``; rows may be dataclasses or dicts."""
+    data = {"meta": meta, "rows": [asdict(r) if hasattr(r, "__dataclass_fields__") else r for r in rows]}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def size_label(numel: float) -> str:
+    """64K, 16M, ... for element counts (powers of two)."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if numel >= unit:
+            return f"{numel / unit:g}{suffix}"
+    return f"{numel:g}"
+
+
+Series = dict[tuple[str, str], list[tuple[int, float]]]  # (impl, variant) -> [(numel, GB/s), ...]
+
+
+def plot_bandwidth(path: Path, panels: dict[str, Series], copy_gbps: float, title: str) -> bool:
+    """One panel per kernel of GB/s vs size (log x): a line per (impl, variant), one colour per variant,
+    torch dashed, and the measured copy bandwidth dotted. Returns False (and says why) when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        print(f"matplotlib is not installed: skipping the plot {path}")
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (kernel, series) in zip(axes[0], panels.items(), strict=True):
+        variants = sorted({variant for _, variant in series})
+        for (impl, variant), points in sorted(series.items()):
+            xs, ys = zip(*sorted(points), strict=True)
+            style = "--" if impl == "torch" else "-"
+            color = f"C{variants.index(variant) % 10}"
+            ax.plot(xs, ys, style, color=color, marker="o", label=f"{impl} {variant}")
+        ax.axhline(copy_gbps, color="black", linestyle=":", label=f"copy {copy_gbps:.0f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: size_label(x)))
+        ax.set(title=kernel, xlabel="elements", ylabel="GB/s (bytes of the fused pass)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

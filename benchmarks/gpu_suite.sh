@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call, under 10 minutes on one H100 (DESIGN.md section 6):
+#   device   OUT_DIR/device.txt: GPU, driver, torch/CUDA/nvcc versions, git commit
+#   build    pip install --no-build-isolation -e .   (no downloads: the machine has no internet)
+#   pytest   python -m pytest -m cuda -v             -> OUT_DIR/pytest_cuda.log
+#   bench    benchmarks/bench_kernels.py --device cuda -> OUT_DIR/results.json, results.png
+#   memcheck compute-sanitizer --tool memcheck on every op and dtype path at small sizes
+#   racecheck compute-sanitizer --tool racecheck on l2norm (shared-memory reduction)
+#                                                     -> OUT_DIR/sanitizer.log
+# Everything is also in OUT_DIR/suite.log; six files in all, one folder deep (the device returns at
+# most 8 files, 2 folders deep). A failing stage does not stop the later ones; the exit status is
+# nonzero if any stage failed. The benchmark runs before the sanitizers so that, if the time budget
+# runs short, what is lost is the slowest and least essential stage.
+#
+# Usage: benchmarks/gpu_suite.sh OUT_DIR
+# Environment: CUDA_HOME (default /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0: H100 only, to
+# save build time), PYTHON (default python), SUITE_BUDGET_S (default 570: the whole suite's seconds).
+set -u -o pipefail
+
+OUT=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+
+export PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+PYTHON=${PYTHON:-python}
+DEADLINE=$((SECONDS + ${SUITE_BUDGET_S:-570}))
+SKIPPED=200  # a stage's "could not run here" status: reported, not a failure
+SUMMARY=()
+FAILED=0
+
+# run_stage NAME CAP_S FUNCTION: runs FUNCTION with $LIMIT = min(CAP_S, seconds left) and records
+# its status and duration.
+run_stage() {
+  local name=$1 cap=$2 fn=$3 rc=0 start=$SECONDS status
+  LIMIT=$((DEADLINE - SECONDS < cap ? DEADLINE - SECONDS : cap))
+  if ((LIMIT < 10)); then
+    SUMMARY+=("$(printf '%-10s SKIPPED: the suite time budget is spent' "$name")")
+    FAILED=1
+    return
+  fi
+  echo
+  echo "=== [$name] $(date -u +%H:%M:%S) limit ${LIMIT}s"
+  "$fn" || rc=$?
+  case $rc in
+    0) status=ok ;;
+    "$SKIPPED") status="skipped (see above)" ;;
+    124 | 137) status="TIMEOUT after ${LIMIT}s"; FAILED=1 ;;
+    *) status="FAILED (exit $rc)"; FAILED=1 ;;
+  esac
+  SUMMARY+=("$(printf '%-10s %-28s %4ss' "$name" "$status" $((SECONDS - start)))")
+}
+
+in_time() { timeout --kill-after=15 "$LIMIT" "$@"; }
+
+device_info() {
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (dirty)')"
+    nvidia-smi -L || echo "nvidia-smi not found"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
+    "$PYTHON" -c 'import sys, torch; print("python", sys.version.split()[0]); print("torch", torch.__version__,
+"cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
+    "$CUDA_HOME/bin/nvcc" --version | tail -n 2 || echo "no nvcc in $CUDA_HOME/bin"
+    echo "CUDA_HOME=$CUDA_HOME TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+  } 2>&1 | tee "$OUT/device.txt"
+}
+
+# --no-deps: torch is already installed and nothing can be downloaded here.
+build() { in_time "$PYTHON" -m pip install --no-build-isolation --no-deps -v -e .; }
+
+pytest_cuda() { in_time "$PYTHON" -m pytest -m cuda -v 2>&1 | tee "$OUT/pytest_cuda.log"; }
+
+bench() { in_time "$PYTHON" benchmarks/bench_kernels.py --device cuda --out "$OUT"; }
+
+# Every op and dtype path at small sizes: odd lengths, one tensor spanning several chunks, more
+# tensors than one launch's metadata holds, and views at an odd element offset so that both the
+# vectorised and the unaligned paths run. Inputs are made on the host so that few torch kernels run
+# under the (slow) sanitizer. No value checks: the tests do those; this looks for memory errors.
+read -r -d '' SANITIZER_PY <<'EOF'
+import sys
+import torch
+from distopt import ops
+from distopt.reference import split_bf16_remainder
+
+OPS = ("adam_step_", "adam_step_capturable_", "l2norm", "scale_", "cast_copy_")
+assert all(ops.has_kernel(op, "cuda") for op in OPS), "distopt._C has no CUDA kernels"
+torch.manual_seed(0)
+SIZES = [1, 3, 17, 4099, 70001] + [33] * 150
+
+def place(host_tensors, k=0):
+    """Copies to the GPU (no kernels), every other tensor at an odd element offset."""
+    out = []
+    for i, t in enumerate(host_tensors):
+        off = (i + k) % 2
+        buf = torch.empty(t.numel() + off, dtype=t.dtype, device="cuda")
+        buf[off:].copy_(t)
+        out.append(buf[off:])
+    return out
+
+def make(dtype, k=0):
+    return place([torch.randn(n).to(dtype) for n in SIZES], k)
+
+def scalar(x):
+    return torch.full((1,), x, device="cuda")
+
+def adam(param, grad, out, remainder=False, adam_w=True, capturable=False):
+    if remainder:
+        his, los = zip(*(split_bf16_remainder(torch.randn(n)) for n in SIZES))
+        params, rems = place(his), place(los, 1)
+    else:
+        params, rems = make(param), []
+    exp_avg_sqs = place([torch.rand(n) for n in SIZES], 1)
+    args = (params, make(grad, 1), make(torch.float32), exp_avg_sqs)
+    kw = dict(param_outs=make(out, 1) if out else (), param_remainders=rems, weight_decay=0.01,
+              adam_w_mode=adam_w, grad_scale=scalar(0.5), found_inf=scalar(0.0))
+    if capturable:
+        ops.adam_step_capturable_(*args, lr=scalar(1e-3), steps=[scalar(3.0)] * len(SIZES), **kw)
+    else:
+        ops.adam_step_(*args, lr=1e-3, step=3, **kw)
+
+def l2norm():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tensors = make(dtype)
+        tensors[3][5] = float("inf")
+        found_inf = scalar(0.0)
+        ops.l2norm(tensors, found_inf)
+        assert found_inf.item() == 1.0
+
+l2norm()
+if sys.argv[1:] != ["l2norm"]:
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    adam(f32, f32, None)
+    adam(f32, bf16, bf16)
+    adam(f32, f16, f16, adam_w=False)
+    adam(bf16, bf16, None, remainder=True)
+    adam(f32, f32, bf16, capturable=True)
+    adam(f16, f16, None)
+    for src, dst in ((f32, bf16), (f16, f32), (bf16, bf16)):
+        ops.scale_(make(src), make(dst, 1), scalar(0.25), scalar(0.0))
+        ops.cast_copy_(make(src), make(dst, 1), scalar(0.0))
+torch.cuda.synchronize()
+print("sanitizer workload done")
+EOF
+
+find_sanitizer() {
+  if [[ -x $CUDA_HOME/bin/compute-sanitizer ]]; then
+    echo "$CUDA_HOME/bin/compute-sanitizer"
+  else
+    command -v compute-sanitizer
+  fi
+}
+
+# sanitize TOOL [ARGS...]: the workload under compute-sanitizer --tool TOOL.
+sanitize() {
+  local tool=$1 cs
+  shift
+  if ! cs=$(find_sanitizer); then
+    echo "compute-sanitizer not found (neither $CUDA_HOME/bin nor PATH): $tool skipped" | tee -a "$OUT/sanitizer.log"
+    return "$SKIPPED"
+  fi
+  echo "=== $tool: $cs" >>"$OUT/sanitizer.log"
+  # Without the caching allocator every tensor is its own allocation, so memcheck sees an access
+  # past a tensor's end instead of it landing silently in a neighbour inside one cached block.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 in_time "$cs" --tool "$tool" --error-exitcode 99 \
+    "$PYTHON" -c "$SANITIZER_PY" "$@" 2>&1 | tee -a "$OUT/sanitizer.log"
+}
+memcheck() { sanitize memcheck; }
+racecheck() { sanitize racecheck l2norm; }
+
+main() {
+  echo "distopt GPU suite: $(date -u +%Y-%m-%dT%H:%M:%SZ), output in $OUT"
+  run_stage device 60 device_info
+  run_stage build 240 build
+  run_stage pytest 150 pytest_cuda
+  run_stage bench 150 bench
+  run_stage memcheck 90 memcheck
+  run_stage racecheck 60 racecheck
+  echo
+  echo "=== summary ($SECONDS s in all)"
+  printf '%s\n' "${SUMMARY[@]}"
+  ((FAILED == 0)) && echo "suite: PASSED" || echo "suite: FAILED"
+  return "$FAILED"
+}
+
+main 2>&1 | tee "$OUT/suite.log"

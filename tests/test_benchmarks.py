@@ -1,0 +1,69 @@
+"""Smoke test of benchmarks/bench_kernels.py on CPU: it runs, checks its results and writes them.
+
+No speed assertions: speed targets belong to the benchmarks, not to the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+
+# What the benchmark must report, per kernel: {mix: implementations}. Written out here rather than
+# imported, so that dropping a configuration from the benchmark fails this test.
+EXPECTED = {
+    "adam_step_": {
+        "fp32": {"distopt", "torch"},
+        "bf16-mixed": {"distopt"},
+        "bf16-remainder": {"distopt"},
+        "fp16-mixed": {"distopt"},
+    },
+    "pipeline": {"fp32": {"distopt", "torch"}, "bf16-mixed": {"distopt", "torch"}},
+    "l2norm": {"fp32": {"distopt", "torch"}, "bf16": {"distopt", "torch"}},
+}
+LAYOUTS = {"flat", "list"}
+
+
+def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cpu", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"bench_kernels.py failed:\n{proc.stdout}\n{proc.stderr}"
+
+    data = json.loads((tmp_path / "results.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["device"] == "cpu" and meta["failures"] == []
+    assert math.isfinite(meta["copy_bandwidth_gbps"]) and meta["copy_bandwidth_gbps"] > 0
+
+    sizes = {row["numel"] for row in rows}
+    assert len(sizes) >= 2
+    found = {(r["kernel"], r["mix"], r["impl"], r["layout"], r["numel"]) for r in rows}
+    for kernel, mixes in EXPECTED.items():
+        for mix, impls in mixes.items():
+            for impl in impls:
+                for layout in LAYOUTS:
+                    for numel in sizes:
+                        assert (kernel, mix, impl, layout, numel) in found, (kernel, mix, impl, layout, numel)
+
+    with_torch = {(r["kernel"], r["mix"], r["layout"], r["numel"]) for r in rows if r["impl"] == "torch"}
+    for row in rows:
+        for key in ("ms", "ms_p10", "ms_p90", "gbps", "pct_copy_bw"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["ms_p10"] <= row["ms"] <= row["ms_p90"], row
+        assert row["bytes"] > 0 and row["reps"] >= 1, row
+        # A distopt row with a torch row beside it reports the speedup; no other row does.
+        if row["impl"] == "distopt" and (row["kernel"], row["mix"], row["layout"], row["numel"]) in with_torch:
+            assert math.isfinite(row["speedup"]) and row["speedup"] > 0, row
+        else:
+            assert row["speedup"] is None, row
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "results.png").stat().st_size > 0
