@@ -1,0 +1,34 @@
+# Two commands on a fresh machine (Python 3.11+ with pip; nvcc optional):
+#   make train   the main job (see README)
+#   make test    the test suite (what CI runs)
+# Both create .venv, install torch and build distopt._C on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.distopt-built
+SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+
+.PHONY: train test env clean
+
+train: $(STAMP)
+	$(PY) examples/train.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+env: $(STAMP)
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib
+	touch $@
+
+# --no-build-isolation: link against the torch installed above (isolation would fetch a second one).
+$(STAMP): $(VENV)/.deps $(SOURCES)
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+clean:
+	rm -rf build distopt/_C*.so $(STAMP)

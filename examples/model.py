@@ -1,0 +1,49 @@
+"""A small GPT-style language model and a generated corpus with learnable structure, for the demo."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 128, heads: int = 4, layers: int = 2, seq: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.tok(tokens) + self.pos[:t]
+        for block in self.blocks:
+            x = block(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def make_batch(gen: torch.Generator, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Sequences x[t+1] = (a * x[t] + b) mod vocab with random (a, b) per sequence: predictable once
+    the model has read a few tokens, so the loss falls well below log(vocab)."""
+    a = torch.randint(1, 8, (batch, 1), generator=gen)
+    b = torch.randint(0, vocab, (batch, 1), generator=gen)
+    x = torch.empty(batch, seq + 1, dtype=torch.long)
+    x[:, :1] = torch.randint(0, vocab, (batch, 1), generator=gen)
+    for t in range(seq):
+        x[:, t + 1 : t + 2] = (a * x[:, t : t + 1] + b) % vocab
+    return x
