@@ -68,8 +68,12 @@ def cuda_requested() -> bool:
 
 def prepare_environment(with_cuda: bool) -> None:
     """Sets CUDA_HOME and the arch list before torch.utils.cpp_extension reads them."""
+    home = find_cuda_home()
+    if home:
+        # Overwrite rather than setdefault: an invalid $CUDA_HOME (find_cuda_home skipped it, e.g. the
+        # /usr/local torch guesses from a wrapper nvcc) would otherwise break linking (-lcudart).
+        os.environ["CUDA_HOME"] = home
     if with_cuda:
-        os.environ.setdefault("CUDA_HOME", find_cuda_home() or "")
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     if "torch.utils.cpp_extension" in sys.modules:
         # CUDA_HOME is read when cpp_extension is imported.
@@ -112,12 +116,18 @@ def write_cmake(path: Path) -> None:
         "TORCH_API_INCLUDE_EXTENSION_H",
         f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
     ]
+    # COMMON_NVCC_FLAGS and _get_cuda_arch_flags are what BuildExtension itself passes to nvcc (the
+    # latter is private; present from torch 2.0 through 2.15). Each flag must stay one token: CMake
+    # de-duplicates compile options, which would mangle two-token flags.
     nvcc = ce.COMMON_NVCC_FLAGS + kw["extra_compile_args"].get("nvcc", [])
     if with_cuda:
-        nvcc += ce._get_cuda_arch_flags([])  # the -gencode flags setup.py's build passes
+        nvcc += ce._get_cuda_arch_flags([])
 
     def cm(values) -> str:
-        return ";".join(str(v).replace(";", r"\;") for v in values)
+        """A CMake list inside a double-quoted string."""
+        escaped = (str(v).replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace(";", "\\;")
+                   for v in values)
+        return ";".join(escaped)
 
     lines = {
         "DISTOPT_WITH_CUDA": "ON" if with_cuda else "OFF",
