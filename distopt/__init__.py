@@ -3,6 +3,7 @@
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from . import ops
+from .distributed import DistributedFusedAdam
 from .fused_adam import FusedAdam
 
-__all__ = ["FusedAdam", "ops"]
+__all__ = ["DistributedFusedAdam", "FusedAdam", "ops"]

@@ -1,0 +1,231 @@
+"""Runtime buffers of one bucket on this rank: gradient accumulation and reduce-scatter, the shard of
+optimizer state, and the parameter all-gather.
+
+A bucket's life in one iteration:
+  grads:  hooks accumulate param grads into ``grad_buffer`` (full bucket, grad_sync_dtype); when all of
+          its params have arrived (or at grad_sync) it is averaged and reduce-scattered; the shard is
+          added into ``state.grad`` (fp32) and the buffer released (kept if contiguous).
+  update: the optimizer runs the fused kernel over ``state`` and writes this rank's slice of
+          ``param_buffer`` (param_sync_dtype).
+  params: the slice is all-gathered into ``param_buffer`` and copied into the model params (unless the
+          params are views of a contiguous buffer already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import ops
+from .comm import Comm
+from .layout import Bucket, Fragment, Piece
+
+
+def flat(t: Tensor) -> Tensor:
+    """The elements of a dense tensor in memory order, as a 1-D view (works for channels_last)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def flat_like(grad: Tensor, param: Tensor) -> Tensor:
+    """`grad` flattened in `param`'s memory order (a copy only when their strides differ)."""
+    if grad.stride() != param.stride():
+        grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
+    return flat(grad)
+
+
+@dataclass
+class ShardState:
+    """This rank's shard of a bucket's optimizer state (flat, ``shard_numel`` elements each)."""
+
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    grad: Tensor  # fp32 sum of the reduced grads since the last step
+    master: Tensor | None  # fp32 master params (store_params)
+    remainders: Tensor | None  # int16 low halves of the masters (store_param_remainders)
+    grad_valid: bool = False  # False: `grad` holds stale data, the next reduction overwrites it
+
+    @classmethod
+    def zeros(cls, numel: int, device: torch.device, master: bool, remainders: bool) -> ShardState:
+        def z(dtype: torch.dtype) -> Tensor:
+            return torch.zeros(numel, dtype=dtype, device=device)
+
+        return cls(exp_avg=z(torch.float32), exp_avg_sq=z(torch.float32), grad=z(torch.float32),
+                   master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None)
+
+
+class BucketRuntime:
+    def __init__(
+        self,
+        index: int,
+        spec: Bucket,
+        fragments: tuple[Fragment, ...],
+        rank: int,
+        device: torch.device,
+        grad_dtype: torch.dtype,
+        param_dtype: torch.dtype,
+        contiguous_grad_buffer: bool,
+        contiguous_param_buffer: bool,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.fragments = fragments
+        self.lo, self.hi = spec.shard_range(rank)
+        self.device = device
+        self.grad_dtype = grad_dtype
+        self.param_dtype = param_dtype
+        self.contiguous_grad = contiguous_grad_buffer
+        self.contiguous_param = contiguous_param_buffer
+        self.params = frozenset(p.param for p in spec.pieces)
+        self.state: ShardState | None = None
+        self.runs: list[tuple[int, int, int]] = []  # (param group, start, end) in the shard
+
+        self.grad_buffer: Tensor | None = None
+        self.written: set[int] = set()  # params accumulated into grad_buffer in this window
+        self.synced: set[int] = set()  # params that arrived in the current synchronising backward
+        self.fresh = True  # grad_buffer must be zeroed before the next accumulation
+        self.launched = False  # reduce-scatter started in this window
+        self._rs_work: dist.Work | None = None
+        self._rs_out: Tensor | None = None
+
+        self.param_buffer: Tensor | None = None
+        self._ag_work: dist.Work | None = None
+        if contiguous_grad_buffer:
+            self.grad_buffer = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
+        if contiguous_param_buffer:
+            self.param_buffer = torch.zeros(spec.numel, dtype=param_dtype, device=device)
+
+    # ------------------------------------------------------------------ gradients
+
+    def grad_view(self, piece: Piece) -> Tensor:
+        return self.grad_buffer[piece.bucket_offset : piece.bucket_offset + piece.numel]
+
+    def accumulate(self, piece: Piece, flat_grad: Tensor) -> None:
+        """Adds one piece of a param's grad (flat, memory order) into the bucket."""
+        assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
+        elif self.fresh:
+            self.grad_buffer.zero_()
+        self.fresh = False
+        src = flat_grad[piece.param_offset : piece.param_offset + piece.numel]
+        view = self.grad_view(piece)
+        if view.data_ptr() == src.data_ptr():
+            pass  # the grad is already this view (contiguous_grad_buffer, accumulated in place)
+        elif piece.param in self.written:
+            view.add_(src)
+        else:
+            view.copy_(src)
+        self.written.add(piece.param)
+
+    def ready(self) -> bool:
+        """Every param of the bucket has delivered its grad in this synchronising backward."""
+        return self.synced >= self.params
+
+    def launch_reduce_scatter(self, comm: Comm, divide_by: int) -> None:
+        """Averages (divides by the data-parallel size, as DDP does, before summing) and starts the
+        reduce-scatter. Params that sent no grad count as zero (the buffer was zeroed)."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
+        elif self.fresh:
+            self.grad_buffer.zero_()
+        self.fresh = False
+        if divide_by != 1:
+            self.grad_buffer.div_(divide_by)
+        state = self.state
+        if not state.grad_valid and self.grad_dtype == torch.float32:
+            self._rs_out = state.grad  # reduce straight into the fp32 grad shard
+        else:
+            self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
+        self._rs_work = comm.reduce_scatter(self._rs_out, self.grad_buffer, self.index)
+        self.launched = True
+
+    @property
+    def in_flight(self) -> bool:
+        return self._rs_work is not None
+
+    def finish_reduce_scatter(self, comm: Comm) -> None:
+        """Waits for the reduction, folds it into the fp32 grad shard, releases the buffer."""
+        self._rs_work.wait()
+        redundant = comm.all_reduce_redundant(self._rs_out, self.index)
+        if redundant is not None:
+            redundant.wait()
+        comm.event("reduce_scatter_done", self.index)
+        state = self.state
+        if self._rs_out is not state.grad:
+            if state.grad_valid:
+                state.grad.add_(self._rs_out)
+            else:
+                state.grad.copy_(self._rs_out)
+        state.grad_valid = True
+        self._rs_work = self._rs_out = None
+        self.end_window()
+
+    def end_window(self) -> None:
+        """Forgets this accumulation window (after its reduction, or on zero_grad)."""
+        self.written.clear()
+        self.synced.clear()
+        self.launched = False
+        self.fresh = True
+        if not self.contiguous_grad:
+            self.grad_buffer = None
+
+    # ------------------------------------------------------------------ parameters
+
+    def local_param_slice(self) -> Tensor:
+        """This rank's slice of the param buffer, allocating the buffer if it is transient."""
+        if self.param_buffer is None:
+            self.param_buffer = torch.empty(self.spec.numel, dtype=self.param_dtype, device=self.device)
+        return self.param_buffer[self.lo : self.hi]
+
+    def gather_in(self, params: list[Tensor]) -> None:
+        """Copies this rank's part of the model params into its param-buffer slice (padding zeroed)."""
+        local = self.local_param_slice()
+        local.zero_()
+        srcs = [flat(params[f.param])[f.param_offset : f.param_offset + f.numel] for f in self.fragments]
+        dsts = [local[f.shard_offset : f.shard_offset + f.numel] for f in self.fragments]
+        ops.cast_copy_(srcs, dsts)
+
+    def launch_gather(self, comm: Comm) -> None:
+        self._ag_work = comm.all_gather(self.param_buffer, self.param_buffer[self.lo : self.hi], self.index)
+
+    @property
+    def gathering(self) -> bool:
+        return self._ag_work is not None
+
+    def finish_gather(self, comm: Comm, params: list[Tensor], skip_if: Tensor | None) -> None:
+        """Waits for the all-gather and writes the model params (nothing if `skip_if` is set)."""
+        self._ag_work.wait()
+        self._ag_work = None
+        comm.event("all_gather_done", self.index)
+        if not self.contiguous_param:
+            pieces = self.spec.pieces
+            srcs = [self.param_buffer[p.bucket_offset : p.bucket_offset + p.numel] for p in pieces]
+            dsts = [flat(params[p.param])[p.param_offset : p.param_offset + p.numel] for p in pieces]
+            ops.cast_copy_(srcs, dsts, skip_if=skip_if)
+            self.param_buffer = None
+
+    def bind_params(self, params: list[Tensor]) -> None:
+        """contiguous_param_buffer: makes each param a view of the buffer (values copied in first)."""
+        for piece in self.spec.pieces:
+            p = params[piece.param]
+            view = self.param_buffer[piece.bucket_offset : piece.bucket_offset + piece.numel]
+            view.copy_(flat(p.detach()))
+            p.data = view.as_strided(p.shape, p.stride())
+
+
+def shard_runs(fragments: tuple[Fragment, ...], shard_numel: int, group_of: list[int]) -> list[tuple[int, int, int]]:
+    """Splits a shard into (param group, start, end) runs for the update kernel: maximal stretches of
+    one group's params, each extended over the padding after it (padding is zero in every list, so
+    updating it changes nothing) and starting at a param start or the shard start (aligned)."""
+    runs: list[list[int]] = []
+    for f in fragments:
+        g = group_of[f.param]
+        if runs and runs[-1][0] == g:
+            continue
+        if runs:
+            runs[-1][2] = f.shard_offset
+        runs.append([g, 0 if not runs else f.shard_offset, shard_numel])
+    return [tuple(r) for r in runs]

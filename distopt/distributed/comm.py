@@ -1,0 +1,91 @@
+"""Collectives for DistributedFusedAdam: process groups, version shims, event tracing.
+
+NCCL runs every async collective on its own stream, ordered after the work already queued on the
+current stream, and ``Work.wait()`` makes the current stream (not the host) wait for it; gloo runs it
+on a background thread and ``wait()`` blocks the host. Either way the caller overlaps compute with
+communication by launching early and waiting late, which is all the optimizer does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# torch >= 2.15 names these *_single (the *_tensor names remain as aliases, deprecated in 2.13-2.14);
+# torch 2.11 only has the *_tensor names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+EventHook = Callable[[str, int], None]
+
+
+class Comm:
+    """The optimizer's view of its process groups.
+
+    ``dist_group`` shards the optimizer state (size ``dist_size``, this rank's index ``dist_rank``);
+    ``redundant_group`` (optional) holds the ranks with the same shard, whose gradients are summed
+    after the reduce-scatter (hybrid sharding). ``on_event(name, bucket)``, when set, is called as
+    collectives start and finish: tests use it to prove overlap.
+    """
+
+    def __init__(self, process_group=None, distributed_process_group=None, redundant_process_group=None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedFusedAdam needs torch.distributed initialised (dist.init_process_group, or torchrun)"
+            )
+        self.process_group = process_group or dist.group.WORLD
+        self.dist_group = distributed_process_group or self.process_group
+        self.redundant_group = redundant_process_group
+        self.dist_size = dist.get_world_size(self.dist_group)
+        self.dist_rank = dist.get_rank(self.dist_group)
+        self.redundant_size = dist.get_world_size(self.redundant_group) if self.redundant_group is not None else 1
+        world = dist.get_world_size(self.process_group)
+        if self.dist_size * self.redundant_size != world:
+            raise ValueError(
+                f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
+                f"({self.redundant_size} ranks) must cover process_group ({world} ranks)"
+            )
+        self.backend = dist.get_backend(self.dist_group)
+        self.on_event: EventHook | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dist_size * self.redundant_size
+
+    def device_type(self) -> str | None:
+        """The device type the backend communicates (None when it accepts several)."""
+        return {"nccl": "cuda", "gloo": "cpu"}.get(str(self.backend))
+
+    def event(self, name: str, bucket: int = -1) -> None:
+        if self.on_event is not None:
+            self.on_event(name, bucket)
+
+    def reduce_scatter(self, shard: Tensor, bucket: Tensor, index: int) -> dist.Work:
+        """Async sum of `bucket` over the shard group; this rank's shard lands in `shard`."""
+        self.event("reduce_scatter_start", index)
+        return _reduce_scatter(shard, bucket, op=dist.ReduceOp.SUM, group=self.dist_group, async_op=True)
+
+    def all_reduce_redundant(self, shard: Tensor, index: int) -> dist.Work | None:
+        """Async sum of a reduced shard over its replicas (hybrid sharding); None without replicas."""
+        if self.redundant_group is None:
+            return None
+        self.event("all_reduce_redundant_start", index)
+        return dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.redundant_group, async_op=True)
+
+    def all_gather(self, bucket: Tensor, shard: Tensor, index: int) -> dist.Work:
+        """Async gather of every rank's shard into `bucket` (`shard` may be this rank's slice of it)."""
+        self.event("all_gather_start", index)
+        return _all_gather(bucket, shard, group=self.dist_group, async_op=True)
+
+    def all_reduce_sum(self, tensor: Tensor) -> None:
+        """Blocking (stream-ordered on GPU) sum over the shard group, for norms and inf flags."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dist_group)
+
+    def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """Rank 0's list of `len(values)` ints (of the data-parallel group) on every rank."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        return t.tolist()

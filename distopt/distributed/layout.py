@@ -1,0 +1,142 @@
+"""The bucket and shard planner: a pure function from param sizes to where every element lives.
+
+Params are packed, in the given order (the first backward's order, so buckets fill in the order
+gradients arrive), into buckets of at most ``bucket_numel`` elements. Every bucket is split into
+``world_size`` equal shards; rank r owns the r-th. A param starts at an ``align``-element boundary so
+that every shard run the optimizer updates starts 16-byte aligned; a param larger than a bucket's
+free space starts a new bucket, and one larger than a whole bucket is split across buckets. Params
+with different ``group`` keys (e.g. different communication dtypes) never share a bucket.
+
+Nothing here touches tensors: the layout is plain data, tested property-by-property in
+tests/test_layout.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+DEFAULT_ALIGN = 16  # elements: 64 bytes of fp32, 32 of bf16; a 16-byte vector load needs <= 8
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous range of one param's elements (in its memory order) stored in one bucket."""
+
+    param: int  # index into the planner's input
+    param_offset: int  # first element within the param
+    bucket: int
+    bucket_offset: int  # first element within the bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of a piece that lies in one rank's shard."""
+
+    param: int
+    param_offset: int
+    bucket: int
+    shard_offset: int  # first element within the shard
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    group: Hashable
+    numel: int  # padded: world_size * shard_numel
+    shard_numel: int
+    pieces: tuple[Piece, ...]  # in bucket order
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def used_numel(self) -> int:
+        return sum(p.numel for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    buckets: tuple[Bucket, ...]
+    param_pieces: tuple[tuple[Piece, ...], ...]  # per param, in param order
+
+    def fragments(self, rank: int, bucket: int) -> tuple[Fragment, ...]:
+        """The pieces of `bucket` that lie in `rank`'s shard, clipped to it, in shard order."""
+        b = self.buckets[bucket]
+        lo, hi = b.shard_range(rank)
+        out = []
+        for p in b.pieces:
+            start, end = max(p.bucket_offset, lo), min(p.bucket_offset + p.numel, hi)
+            if start < end:
+                out.append(Fragment(p.param, p.param_offset + start - p.bucket_offset, bucket, start - lo, end - start))
+        return tuple(out)
+
+    def utilization(self) -> float:
+        """Param elements / bucket elements (1.0: no padding)."""
+        total = sum(b.numel for b in self.buckets)
+        return sum(b.used_numel() for b in self.buckets) / total if total else 1.0
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def plan_layout(
+    numels: Sequence[int],
+    world_size: int,
+    bucket_numel: int,
+    groups: Sequence[Hashable] | None = None,
+    align: int = DEFAULT_ALIGN,
+) -> Layout:
+    """Packs params of the given sizes (in order) into buckets; see the module docstring.
+
+    ``bucket_numel`` is rounded down to a multiple of ``world_size * align`` (at least one such unit)
+    so shards stay aligned; each bucket is padded up to such a multiple.
+    """
+    if world_size < 1 or align < 1:
+        raise ValueError(f"world_size and align must be >= 1, got {world_size}, {align}")
+    if any(n < 0 for n in numels):
+        raise ValueError("param sizes must be >= 0")
+    groups = [None] * len(numels) if groups is None else list(groups)
+    if len(groups) != len(numels):
+        raise ValueError(f"{len(groups)} group keys for {len(numels)} params")
+    unit = world_size * align
+    capacity = max(unit, bucket_numel // unit * unit)
+
+    buckets: list[dict] = []  # mutable drafts: group, pieces, fill
+    open_bucket: dict[Hashable, int] = {}  # group -> index of its bucket being filled
+    param_pieces: list[list[Piece]] = [[] for _ in numels]
+
+    def new_bucket(group: Hashable) -> int:
+        buckets.append({"group": group, "pieces": [], "fill": 0})
+        open_bucket[group] = len(buckets) - 1
+        return len(buckets) - 1
+
+    for index, (numel, group) in enumerate(zip(numels, groups)):
+        if numel == 0:
+            continue
+        b = open_bucket.get(group)
+        if b is None:
+            b = new_bucket(group)
+        start = _round_up(buckets[b]["fill"], align)
+        if start + numel > capacity and buckets[b]["fill"] > 0 and (numel <= capacity or start >= capacity):
+            # Start afresh rather than split a param that fits a bucket of its own (or when
+            # nothing fits here any more).
+            b, start = new_bucket(group), 0
+        done = 0
+        while done < numel:
+            take = min(numel - done, capacity - start)
+            piece = Piece(index, done, b, start, take)
+            buckets[b]["pieces"].append(piece)
+            param_pieces[index].append(piece)
+            buckets[b]["fill"] = start + take
+            done += take
+            if done < numel:
+                b, start = new_bucket(group), 0
+
+    final = tuple(
+        Bucket(d["group"], _round_up(d["fill"], unit), _round_up(d["fill"], unit) // world_size, tuple(d["pieces"]))
+        for d in buckets
+    )
+    return Layout(world_size, final, tuple(tuple(p) for p in param_pieces))

@@ -1,0 +1,496 @@
+"""DistributedFusedAdam: ZeRO-2 Adam/AdamW (sharded gradients and optimizer state) on torch.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from .._validation import check_adam_hyperparameters, check_unique_params, is_dense
+from .buckets import BucketRuntime, ShardState, flat, flat_like, shard_runs
+from .comm import Comm
+from .layout import Layout, plan_layout
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class DistributedFusedAdam(torch.optim.Optimizer):
+    """Adam/AdamW with gradients and optimizer state sharded over data-parallel ranks (ZeRO-2).
+
+    Use it instead of wrapping the model in DDP: every rank runs the same model on its own batch;
+    gradients are averaged by reduce-scatters that overlap the backward pass, each rank updates its
+    shard with one fused kernel, and the updated params are all-gathered into the model.
+
+    Names follow apex's DistributedFusedAdam, so apex users switch by changing an import. Defaults:
+      lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2: torch.optim.AdamW's.
+      adam_w_mode=True: decoupled weight decay (AdamW); False adds it to the gradient (Adam).
+      dtype=torch.float32: optimizer state dtype (only fp32 is supported).
+      grad_sync_dtype=None: each param's own dtype (a bf16 model reduces bf16 grads, never silently
+        widened); set torch.float32 for fp32 reductions of a 16-bit model.
+      param_sync_dtype=None: each param's own dtype, likewise for the param all-gather.
+      process_group=None: the data-parallel group (default: the world).
+      distributed_process_group=None: shard state over this group (default: process_group).
+      redundant_process_group=None: replicas of each shard (hybrid sharding): gradients are
+        reduce-scattered in the distributed group and then summed across replicas.
+      average_grad_sync=True: average gradients over data-parallel ranks (as DDP); False sums them.
+      overlap_grad_sync=True: start each bucket's reduce-scatter during backward, as soon as all its
+        grads have arrived; False starts them all in step() (or grad_sync()).
+      overlap_param_sync=False: defer each bucket's all-gather to a forward pre-hook of the first module
+        that uses it, prefetching the next; False gathers at the end of step().
+      bucket_cap_mb=100: MiB of gradients (in grad_sync_dtype) per bucket.
+      pipeline_size=2: reduce-scatters in flight before the oldest is waited for.
+      contiguous_grad_buffer=False: keep the full-size gradient buckets allocated between steps (no
+        per-step allocation); under no_sync() param.grad is then a view of its bucket.
+      contiguous_param_buffer=False: make every param a view of a persistent bucket buffer, so the
+        all-gather writes the model params directly (needs param_sync_dtype == param dtype).
+      store_params=True: keep an fp32 master copy of this rank's shard of params. False uses the model
+        params themselves as masters (params must then be in param_sync_dtype).
+      store_param_remainders=False: for bf16 params, keep only the int16 low halves of the fp32
+        masters (the bf16 params are the high halves): fp32-exact updates for 2 bytes per element.
+      capturable=False: reserved for CUDA-graph capture of the whole step (see the AMP/graph issue).
+
+    Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
+    updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
+    and momentum still apply), as in FSDP and apex. Params with requires_grad=False are not updated.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        adam_w_mode: bool = True,
+        dtype: torch.dtype = torch.float32,
+        grad_sync_dtype: torch.dtype | None = None,
+        param_sync_dtype: torch.dtype | None = None,
+        process_group=None,
+        distributed_process_group=None,
+        redundant_process_group=None,
+        average_grad_sync: bool = True,
+        overlap_grad_sync: bool = True,
+        overlap_param_sync: bool = False,
+        bucket_cap_mb: float = 100.0,
+        pipeline_size: int = 2,
+        contiguous_grad_buffer: bool = False,
+        contiguous_param_buffer: bool = False,
+        store_params: bool = True,
+        store_param_remainders: bool = False,
+        capturable: bool = False,
+    ) -> None:
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
+        if dtype != torch.float32:
+            raise ValueError(f"DistributedFusedAdam keeps optimizer state in float32; dtype={dtype} is not supported")
+        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"{name} must be float32, float16, bfloat16 or None, got {value}")
+        if bucket_cap_mb <= 0 or pipeline_size < 1:
+            raise ValueError(f"bucket_cap_mb must be > 0 and pipeline_size >= 1, got {bucket_cap_mb}, {pipeline_size}")
+        if capturable:
+            raise NotImplementedError("DistributedFusedAdam(capturable=True) is not implemented yet")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        super().__init__(params, defaults)
+
+        self.comm = Comm(process_group, distributed_process_group, redundant_process_group)
+        self.grad_sync_dtype = grad_sync_dtype
+        self.param_sync_dtype = param_sync_dtype
+        self.average_grad_sync = average_grad_sync
+        self.overlap_grad_sync = overlap_grad_sync
+        self.overlap_param_sync = overlap_param_sync
+        self.bucket_cap_mb = bucket_cap_mb
+        self.pipeline_size = pipeline_size
+        self.contiguous_grad_buffer = contiguous_grad_buffer
+        self.contiguous_param_buffer = contiguous_param_buffer
+        self.store_param_remainders = store_param_remainders
+        self.store_params = store_params and not store_param_remainders
+
+        # The trainable params, in param-group order; their index here names them everywhere.
+        self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._check_params()
+
+        self._layout: Layout | None = None
+        self._buckets: list[BucketRuntime] = []
+        self._arrival: list[int] = []  # first-backward order, recorded until the layout exists
+        self._arrived: set[int] = set()
+        self._next_launch = 0  # buckets launch strictly in index order on every rank
+        self._round_open = False  # a synchronising backward is running (its round not yet closed)
+        # Gradients were accumulated outside a round (no_sync, overlap_grad_sync=False, the first
+        # backward): grad_sync must run one. Depends only on program structure, so ranks agree.
+        self._needs_round = False
+        self._in_flight: list[BucketRuntime] = []
+        self._no_sync = False
+        self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
+        self._pending_gather: list[int] = []  # overlap_param_sync: buckets still to all-gather
+        self._step_count = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
+        self._forward_hooks: list = []
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_params(self) -> None:
+        check_unique_params([p for g in self.param_groups for p in g["params"]])
+        if not self._params:
+            raise ValueError("DistributedFusedAdam got no trainable params (all have requires_grad=False)")
+        devices = {p.device for p in self._params}
+        if len(devices) > 1:
+            raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        expected = self.comm.device_type()
+        if expected is not None and self.device.type != expected:
+            raise ValueError(
+                f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
+                f"communicates {expected} tensors"
+            )
+        for p in self._params:
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"params must be float32, float16 or bfloat16, got {p.dtype}")
+            if not is_dense(p):
+                raise ValueError("params must be dense tensors (non-overlapping, no gaps)")
+            if self.store_param_remainders and (p.dtype != torch.bfloat16 or self._param_dtype(p) != torch.bfloat16):
+                raise ValueError("store_param_remainders needs bfloat16 params synchronised in bfloat16")
+            if not self.store_params and self._param_dtype(p) != p.dtype:
+                raise ValueError("store_params=False uses the model params as masters: param_sync_dtype must be "
+                                 f"the param dtype ({p.dtype})")
+            if self.contiguous_param_buffer and self._param_dtype(p) != p.dtype:
+                raise ValueError("contiguous_param_buffer makes params views of the sync buffer: param_sync_dtype "
+                                 f"must be the param dtype ({p.dtype})")
+
+    def _grad_dtype(self, p: Tensor) -> torch.dtype:
+        return self.grad_sync_dtype or p.dtype
+
+    def _param_dtype(self, p: Tensor) -> torch.dtype:
+        return self.param_sync_dtype or p.dtype
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_params"):  # set once the constructor's own groups are in
+            raise RuntimeError("DistributedFusedAdam cannot add param groups after construction: "
+                               "the bucket layout covers the params it was built with")
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+
+    def init_params(self, params: Iterable[Tensor] | None = None) -> None:
+        """Builds the bucket layout now, packing `params` first in the given order (the order their
+        gradients become ready: roughly reverse forward order), the rest after them in reverse
+        param-group order. Without this call the layout follows the first backward pass."""
+        if self._layout is not None:
+            raise RuntimeError("init_params: the layout is already built")
+        order = [self._index[p] for p in params] if params is not None else []
+        self._arrival, self._arrived = order, set(order)
+        self._build_layout(default_tail_reversed=True)
+
+    def _build_layout(self, default_tail_reversed: bool = False) -> None:
+        seen = set(self._arrival)
+        rest = [i for i in range(len(self._params)) if i not in seen]
+        order = self._arrival + (rest[::-1] if default_tail_reversed else rest)
+        if len(order) != len(self._params) or set(order) != set(range(len(self._params))):
+            raise ValueError("init_params: params must be distinct params of this optimizer")
+        # Every rank must pack identically: take rank 0's order (backward order may differ by rank).
+        order = self.comm.broadcast_ints(order, self.device)
+        params = [self._params[i] for i in order]
+        keys = [(self._grad_dtype(p), self._param_dtype(p)) for p in params]
+        elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
+        bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
+        if self.contiguous_param_buffer or self.contiguous_grad_buffer:
+            bucket_numel = max(bucket_numel, max(p.numel() for p in params))  # never split a param
+        layout = plan_layout([p.numel() for p in params], self.comm.dist_size, bucket_numel, keys)
+        # Pieces name params by position in `order`; translate to indices into self._params.
+        self._layout = _reindex(layout, order)
+        if self._layout.utilization() < 0.5:
+            warnings.warn(
+                f"DistributedFusedAdam: buckets are only {100 * self._layout.utilization():.0f}% params "
+                f"({len(self._layout.buckets)} buckets of <= {bucket_numel} elements over {self.comm.dist_size} "
+                "ranks); the rest is alignment padding: raise bucket_cap_mb or merge small params",
+                stacklevel=3,
+            )
+        self._create_buckets()
+
+    def _create_buckets(self) -> None:
+        rank = self.comm.dist_rank
+        for index, spec in enumerate(self._layout.buckets):
+            grad_dtype, param_dtype = spec.group
+            b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
+                              param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer)
+            b.state = ShardState.zeros(spec.shard_numel, self.device, master=self.store_params,
+                                       remainders=self.store_param_remainders)
+            if b.state.master is not None:
+                srcs = [flat(self._params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
+                        for f in b.fragments]
+                ops.cast_copy_(srcs, [b.state.master[f.shard_offset : f.shard_offset + f.numel] for f in b.fragments])
+            if self.contiguous_param_buffer:
+                b.bind_params(self._params)
+            b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
+            self._buckets.append(b)
+        if self.overlap_param_sync:
+            self._register_forward_hooks()
+        # Grads of the first backward wait in .grad; move them into the buckets now.
+        for i in self._arrival:
+            p = self._params[i]
+            if p.grad is not None:
+                self._accumulate(i, p)
+
+    # ------------------------------------------------------------------ gradients
+
+    def _grad_hook(self, p: Tensor) -> None:
+        i = self._index[p]
+        if self._layout is None:
+            if i not in self._arrived:
+                self._arrived.add(i)
+                self._arrival.append(i)
+            return  # first backward: .grad stays until the layout is built at grad_sync
+        syncing = self.overlap_grad_sync and not self._no_sync
+        if syncing and not self._round_open:
+            # One round of reduce-scatters per synchronising backward, closed when it ends (as DDP
+            # does): every rank then issues the same collectives in the same order.
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._accumulate(i, p, syncing)
+        if not syncing:
+            self._needs_round = True
+        else:
+            while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].ready():
+                self._launch(self._buckets[self._next_launch])
+
+    def _end_of_backward(self) -> None:
+        """Closes the round: launches the buckets still waiting (missing grads count as zero)."""
+        self._round_open = False
+        self._launch_remaining()
+
+    def _launch_remaining(self) -> None:
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+        self._next_launch = 0
+        self._needs_round = False
+
+    def _accumulate(self, i: int, p: Tensor, syncing: bool = False) -> None:
+        """Moves p.grad into its bucket(s) and frees it (or leaves it a view of the bucket)."""
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
+        src = flat_like(grad.detach(), p)
+        was_view = i in self._grad_views
+        for piece in self._layout.param_pieces[i]:
+            bucket = self._buckets[piece.bucket]
+            if bucket.launched:  # still reducing the previous micro-batch: finish it first
+                self._in_flight.remove(bucket)
+                bucket.finish_reduce_scatter(self.comm)
+            if was_view and src.data_ptr() != bucket.grad_view(piece).data_ptr():
+                # autograd replaced our view by (view + new grad): the sum is the new content
+                bucket.written.discard(i)
+            bucket.accumulate(piece, src)
+            if syncing:
+                bucket.synced.add(i)
+        if self.contiguous_grad_buffer and self._no_sync:
+            piece = self._layout.param_pieces[i][0]
+            p.grad = self._buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
+            self._grad_views.add(i)
+        else:
+            p.grad = None
+            self._grad_views.discard(i)
+
+    def _launch(self, bucket: BucketRuntime) -> None:
+        while len(self._in_flight) >= self.pipeline_size:
+            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+        for i in bucket.params:
+            if i in self._grad_views:  # the buffer is about to be reduced: no more in-place accumulation
+                self._params[i].grad = None
+                self._grad_views.discard(i)
+        divide_by = self.comm.data_parallel_size if self.average_grad_sync else 1
+        bucket.launch_reduce_scatter(self.comm, divide_by)
+        self._in_flight.append(bucket)
+        self._next_launch += 1
+
+    def grad_sync(self) -> None:
+        """Finishes gradient synchronisation: starts the reduce-scatters backward did not (in bucket
+        order, with zeros for params that got no grad), then waits for all of them."""
+        if self._no_sync:
+            raise RuntimeError("grad_sync() inside no_sync(): leave the no_sync() block first")
+        if self._layout is None:
+            self._build_layout()
+            self._needs_round = True
+        if self._needs_round:
+            self._launch_remaining()
+        while self._in_flight:
+            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally (no communication) for the backward passes inside; the first
+        backward after the block synchronises the sum, as DDP.no_sync()."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops all gradients: model .grad, unsynchronised buckets and reduced shards."""
+        while self._in_flight:  # collectives cannot be cancelled: finish, then forget
+            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+        for b in self._buckets:
+            b.end_window()
+            b.state.grad_valid = False
+        self._next_launch = 0
+        self._needs_round = False
+        self._grad_views.clear()
+        for p in self._params:
+            p.grad = None
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finishes grad sync, updates this rank's shard with one fused kernel per group, then
+        all-gathers the params (or leaves that to the next forward with overlap_param_sync)."""
+        if self._no_sync:
+            raise RuntimeError("step() inside no_sync(): leave the no_sync() block first")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        self._check_param_shapes()
+        self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
+        self.grad_sync()
+
+        for b in self._buckets:
+            if not b.state.grad_valid:  # nothing was reduced since the last step: zero gradients
+                b.state.grad.zero_()
+        self._step_count += 1
+        for (group_index, _), lists in self._kernel_lists().items():
+            group = self.param_groups[group_index]
+            beta1, beta2 = group["betas"]
+            ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"])
+        for b in self._buckets:
+            b.state.grad_valid = False
+
+        if self.overlap_param_sync:
+            self._pending_gather = list(range(len(self._buckets)))
+        else:
+            for b in self._buckets:
+                b.launch_gather(self.comm)
+            for b in self._buckets:
+                b.finish_gather(self.comm, self._params, None)
+        return loss
+
+    def _check_param_shapes(self) -> None:
+        if self._layout is None:
+            return
+        for i, p in enumerate(self._params):
+            if p.numel() != sum(piece.numel for piece in self._layout.param_pieces[i]):
+                raise RuntimeError(f"param {i} changed size after the bucket layout was built "
+                                   f"({p.numel()} elements now)")
+
+    def _kernel_lists(self) -> dict[tuple[int, torch.dtype], dict[str, list[Tensor]]]:
+        """The fused kernel's argument lists: one call per (param group, param_sync dtype)."""
+        calls: dict[tuple[int, torch.dtype], dict[str, list[Tensor]]] = {}
+        for b in self._buckets:
+            s = b.state
+            local = b.local_param_slice()
+            if s.master is None:
+                if not self.contiguous_param_buffer:
+                    b.gather_in(self._params)  # the model params are the masters (or their high halves)
+            for group, start, end in b.runs:
+                c = calls.setdefault((group, b.param_dtype), {"params": [], "grads": [], "exp_avgs": [],
+                                                            "exp_avg_sqs": [], "param_outs": [],
+                                                            "param_remainders": []})
+                c["params"].append((s.master if s.master is not None else local)[start:end])
+                c["grads"].append(s.grad[start:end])
+                c["exp_avgs"].append(s.exp_avg[start:end])
+                c["exp_avg_sqs"].append(s.exp_avg_sq[start:end])
+                if s.master is not None:
+                    c["param_outs"].append(local[start:end])
+                if s.remainders is not None:
+                    c["param_remainders"].append(s.remainders[start:end])
+        return calls
+
+    # ------------------------------------------------------------------ param sync
+
+    def param_sync(self) -> None:
+        """Finishes every deferred param all-gather (overlap_param_sync)."""
+        self._gather_through(0)
+
+    def _gather_through(self, last: int) -> None:
+        """Launches pending all-gathers in descending bucket order (the forward order: buckets follow
+        the backward order) down to bucket `last`, plus one prefetch, then finishes those <= needed."""
+        pending = self._pending_gather
+        if not pending:
+            return
+        launch_down_to = max(last - 1, 0)
+        for index in sorted(pending, reverse=True):
+            b = self._buckets[index]
+            if index >= launch_down_to and not b.gathering:
+                b.launch_gather(self.comm)
+        for index in sorted(pending, reverse=True):
+            if index < last:
+                break
+            self._buckets[index].finish_gather(self.comm, self._params, None)
+            pending.remove(index)
+
+    def _register_forward_hooks(self) -> None:
+        """overlap_param_sync: one global forward pre-hook (torch's public API; no model needed and no
+        patching of Parameter) waits, before any module that owns our params runs, for their buckets."""
+        first_bucket = {p: min(piece.bucket for piece in self._layout.param_pieces[i])
+                        for i, p in enumerate(self._params)}
+        this = weakref.ref(self)
+
+        def pre_hook(module: nn.Module, args) -> None:
+            opt = this()
+            if opt is None or not opt._pending_gather:
+                return
+            needed = [first_bucket[p] for p in module.parameters(recurse=False) if p in first_bucket]
+            if needed and min(needed) <= max(opt._pending_gather):
+                opt.comm.event("forward_wait", min(needed))
+                opt._gather_through(min(needed))
+
+        self._forward_hooks.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_forward_hooks", ()):
+            handle.remove()
+
+    # ------------------------------------------------------------------ reporting
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's persistent optimizer memory in bytes, by category (and the total)."""
+        def nbytes(t: Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        report = {"master": 0, "moments": 0, "remainders": 0, "grad_shard": 0, "buffers": 0}
+        for b in self._buckets:
+            s = b.state
+            report["master"] += nbytes(s.master)
+            report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)
+            report["remainders"] += nbytes(s.remainders)
+            report["grad_shard"] += nbytes(s.grad)
+            if self.contiguous_grad_buffer:
+                report["buffers"] += nbytes(b.grad_buffer)
+            if self.contiguous_param_buffer:
+                report["buffers"] += nbytes(b.param_buffer)
+        report["total"] = sum(report.values())
+        return report
+
+
+def _reindex(layout: Layout, order: list[int]) -> Layout:
+    """The same layout with pieces naming params by `order[position]` instead of position."""
+    from dataclasses import replace
+
+    buckets = tuple(replace(b, pieces=tuple(replace(p, param=order[p.param]) for p in b.pieces))
+                    for b in layout.buckets)
+    per_param = [()] * len(order)
+    for position, pieces in enumerate(layout.param_pieces):
+        per_param[order[position]] = tuple(replace(p, param=order[position]) for p in pieces)
+    return Layout(layout.world_size, buckets, tuple(per_param))
+
