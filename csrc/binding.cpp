@@ -118,7 +118,8 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   if (!param_outs.empty()) {
     tl.lists[kParamOut] = describe(param_outs, params, "param_outs", "float");
     for (size_t i = 0; i < params.size(); ++i) {
-      if (param_outs[i].data_ptr() == params[i].data_ptr()) {
+      // Empty tensors all have data_ptr() == nullptr: nothing to alias, nothing to write.
+      if (params[i].numel() > 0 && param_outs[i].data_ptr() == params[i].data_ptr()) {
         TORCH_CHECK_VALUE(param_outs[i].scalar_type() == params[i].scalar_type(), "param_outs[", i,
                           "] aliases params[", i, "] with another dtype");
         tl.lists[kParamOut].data[i] = nullptr;  // aliases the param: nothing more to write
@@ -131,6 +132,7 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                      "param_remainders pair with bfloat16 params, got ", params[0].scalar_type());
   }
   for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) continue;
     const void* p = params[i].data_ptr();
     TORCH_CHECK_VALUE(p != exp_avgs[i].data_ptr() && p != exp_avg_sqs[i].data_ptr() &&
                           exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
