@@ -17,6 +17,9 @@ import math
 
 import pytest
 import torch
+
+from distopt import ops, reference
+
 from test_ops import (
     BF16,
     BIG_SIZES,
@@ -58,8 +61,6 @@ from test_ops import (
     scalar,
     snapshot,
 )
-
-from distopt import ops, reference
 
 # Every test in this module is a GPU test (the same as decorating each with @pytest.mark.cuda).
 pytestmark = pytest.mark.cuda

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from harness import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import tolerances
 from distopt import DistributedFusedAdam, FusedAdam
+
+import tolerances
+from harness import run_ranks
 
 STEPS, MICRO_BATCHES = 3, 3
 
@@ -50,7 +51,7 @@ class Net(nn.Module):
 
 def make_net(cfg: Config) -> Net:
     torch.manual_seed(0)
-    return Net(cfg.unused, cfg.rank_dependent).to(cfg.dtype)
+    return Net(cfg.unused, cfg.rank_dependent).to(device=cfg.device, dtype=cfg.dtype)
 
 
 def param_groups(model: Net) -> list[dict]:
@@ -76,6 +77,7 @@ class Config:
     bf16_grad_sync: bool = False  # the reference compresses grads to bf16 like grad_sync_dtype=bf16
     steps: int = STEPS
     extra_steps_for_ours: int = 0  # negative control: ours takes more steps than the reference
+    device: str = "cpu"
 
     @property
     def table_dtype(self) -> torch.dtype:
@@ -93,10 +95,10 @@ def reference(cfg: Config, model: Net) -> tuple[nn.Module, torch.optim.Optimizer
     return ddp, torch_cls(groups)
 
 
-def batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, micro: int, rank: int, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    x = torch.randn(6, 9, generator=gen).to(dtype)
-    return x.requires_grad_(), torch.randn(6, 5, generator=gen).to(dtype)
+    x = torch.randn(6, 9, generator=gen).to(device=cfg.device, dtype=cfg.dtype)
+    return x.requires_grad_(), torch.randn(6, 5, generator=gen).to(device=cfg.device, dtype=cfg.dtype)
 
 
 def compare(what: str, actual: torch.Tensor, expected: torch.Tensor, cfg: Config) -> None:
@@ -118,7 +120,7 @@ def train_and_compare(rank: int, world_size: int, cfg: Config) -> int:
         for micro in range(MICRO_BATCHES):
             last = micro == MICRO_BATCHES - 1
             quiet = not (last or cfg.sync_every_micro_batch)
-            x, y = batch(step, micro, rank, cfg.dtype)
+            x, y = batch(step, micro, rank, cfg)
             x_ref = x.detach().clone().requires_grad_()
             with opt.no_sync() if quiet else contextlib.nullcontext():
                 out = model(x, rank)
