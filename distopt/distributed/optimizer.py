@@ -49,8 +49,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         per-step allocation); under no_sync() param.grad is then a view of its bucket.
       contiguous_param_buffer=False: make every param a view of a persistent bucket buffer, so the
         all-gather writes the model params directly (needs param_sync_dtype == param dtype).
-      store_params=True: keep an fp32 master copy of this rank's shard of params. False uses the model
-        params themselves as masters (params must then be in param_sync_dtype).
+      store_params=None: keep an fp32 master copy of this rank's shard of params where one is needed:
+        for params that are not fp32 or are synchronised in another dtype. An fp32 model synchronised in
+        fp32 is its own master (its shard is read back from the params each step), so sharding saves
+        the most. True keeps masters for every param (apex's default); False never does (16-bit params
+        are then updated directly, losing updates below their precision; needs param_sync_dtype equal
+        to the param dtype).
       store_param_remainders=False: for bf16 params, keep only the int16 low halves of the fp32
         masters (the bf16 params are the high halves): fp32-exact updates for 2 bytes per element.
       capturable=False: reserved for CUDA-graph capture of the whole step (see the AMP/graph issue).
@@ -82,7 +86,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         pipeline_size: int = 2,
         contiguous_grad_buffer: bool = False,
         contiguous_param_buffer: bool = False,
-        store_params: bool = True,
+        store_params: bool | None = None,
         store_param_remainders: bool = False,
         capturable: bool = False,
     ) -> None:
@@ -110,7 +114,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.contiguous_grad_buffer = contiguous_grad_buffer
         self.contiguous_param_buffer = contiguous_param_buffer
         self.store_param_remainders = store_param_remainders
-        self.store_params = store_params and not store_param_remainders
+        self.store_params = False if store_param_remainders else store_params
 
         # The trainable params, in param-group order; their index here names them everywhere.
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -158,12 +162,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise ValueError("params must be dense tensors (non-overlapping, no gaps)")
             if self.store_param_remainders and (p.dtype != torch.bfloat16 or self._param_dtype(p) != torch.bfloat16):
                 raise ValueError("store_param_remainders needs bfloat16 params synchronised in bfloat16")
-            if not self.store_params and self._param_dtype(p) != p.dtype:
+            if self.store_params is False and self._param_dtype(p) != p.dtype:
                 raise ValueError("store_params=False uses the model params as masters: param_sync_dtype must be "
                                  f"the param dtype ({p.dtype})")
             if self.contiguous_param_buffer and self._param_dtype(p) != p.dtype:
                 raise ValueError("contiguous_param_buffer makes params views of the sync buffer: param_sync_dtype "
                                  f"must be the param dtype ({p.dtype})")
+
+    def _stores_master(self, param_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        """Whether a bucket of params of `model_dtype`, synchronised in `param_dtype`, keeps fp32 masters."""
+        if self.store_params is None:
+            return not (param_dtype == model_dtype == torch.float32)
+        return self.store_params
 
     def _grad_dtype(self, p: Tensor) -> torch.dtype:
         return self.grad_sync_dtype or p.dtype
@@ -198,7 +208,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # Every rank must pack identically: take rank 0's order (backward order may differ by rank).
         order = self.comm.broadcast_ints(order, self.device)
         params = [self._params[i] for i in order]
-        keys = [(self._grad_dtype(p), self._param_dtype(p)) for p in params]
+        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype) for p in params]
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
         bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
         if self.contiguous_param_buffer or self.contiguous_grad_buffer:
@@ -218,10 +228,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _create_buckets(self) -> None:
         rank = self.comm.dist_rank
         for index, spec in enumerate(self._layout.buckets):
-            grad_dtype, param_dtype = spec.group
+            grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer)
-            b.state = ShardState.zeros(spec.shard_numel, self.device, master=self.store_params,
+            master = self._stores_master(param_dtype, model_dtype)
+            b.state = ShardState.zeros(spec.shard_numel, self.device, master=master,
                                        remainders=self.store_param_remainders)
             if b.state.master is not None:
                 srcs = [flat(self._params[f.param].detach())[f.param_offset : f.param_offset + f.numel]

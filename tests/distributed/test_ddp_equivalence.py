@@ -78,7 +78,7 @@ class Config:
     steps: int = STEPS
     extra_steps_for_ours: int = 0  # negative control: ours takes more steps than the reference
     device: str = "cpu"
-
+    ref_master_weights: bool = True  # 16-bit models: the reference FusedAdam keeps fp32 masters
     @property
     def table_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16_grad_sync else self.dtype
@@ -90,7 +90,7 @@ def reference(cfg: Config, model: Net) -> tuple[nn.Module, torch.optim.Optimizer
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     groups = param_groups(model)
     if cfg.dtype != torch.float32:
-        return ddp, FusedAdam(groups, master_weights=True, adam_w_mode=cfg.adam_w_mode)
+        return ddp, FusedAdam(groups, master_weights=cfg.ref_master_weights, adam_w_mode=cfg.adam_w_mode)
     torch_cls = torch.optim.AdamW if cfg.adam_w_mode else torch.optim.Adam
     return ddp, torch_cls(groups)
 
@@ -164,7 +164,8 @@ CONFIGS = {
     "overlap_param_sync": Config(opt=dict(overlap_param_sync=True, bucket_cap_mb=600 * 4 / 2**20)),
     "unused_params": Config(unused=True, rank_dependent=True),
     "adam_l2": Config(adam_w_mode=False),
-    "store_params_false": Config(opt=dict(store_params=False)),
+    "store_params_true": Config(opt=dict(store_params=True)),  # fp32 masters of fp32 params (apex's way)
+    "bf16_store_params_false": Config(dtype=torch.bfloat16, opt=dict(store_params=False), ref_master_weights=False),
     "bf16_grad_sync": Config(opt=dict(grad_sync_dtype=torch.bfloat16), bf16_grad_sync=True),
     "bf16_model": Config(dtype=torch.bfloat16),
     "fp16_model": Config(dtype=torch.float16),
