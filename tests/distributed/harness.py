@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
 import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (imported by the first Optimizer; 2-4 s per rank unless forked in)
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -33,7 +36,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Pickled here: the queue's own pickler would send tensors as shared-memory handles that
+        # vanish when this process exits.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -54,14 +59,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             while len(results) + len(errors) < world_size:
                 try:
                     rank, status, payload = queue.get(timeout=timeout)
-                except Exception:  # queue.Empty
+                except queue_module.Empty:
                     missing = sorted(set(range(world_size)) - set(results) - set(errors))
                     raise AssertionError(
                         f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
                         + "".join(f"\n--- rank {r} failed first:\n{tb}" for r, tb in errors.items())
                     ) from None
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)
                 else:
                     errors[rank] = payload
                     break  # the others may now wait forever in a collective
