@@ -4,13 +4,16 @@
 #   build    pip install --no-build-isolation -e .   (no downloads: the machine has no internet)
 #   pytest   python -m pytest -m cuda -v             -> OUT_DIR/pytest_cuda.log
 #   bench    benchmarks/bench_kernels.py --device cuda -> OUT_DIR/results.json, results.png
+#   step     benchmarks/bench_step.py --device cuda --world-size 1 (whole optimizer step and iteration:
+#            DistributedFusedAdam vs FusedAdam vs DDP + AdamW) -> OUT_DIR/results_step.json, .png
 #   memcheck compute-sanitizer --tool memcheck on every op and dtype path at small sizes
 #   racecheck compute-sanitizer --tool racecheck on l2norm (shared-memory reduction)
 #                                                     -> OUT_DIR/sanitizer.log
-# Everything is also in OUT_DIR/suite.log; six files in all, one folder deep (the device returns at
-# most 8 files, 2 folders deep). A failing stage does not stop the later ones; the exit status is
-# nonzero if any stage failed. The benchmark runs before the sanitizers so that, if the time budget
-# runs short, what is lost is the slowest and least essential stage.
+# Everything is also in OUT_DIR/suite.log; eight files in all, one folder deep (the device returns at
+# most 8 files, 2 folders deep: a new output must be merged into an existing file). A failing stage
+# does not stop the later ones; the exit status is nonzero if any stage failed. The benchmarks run
+# before the sanitizers so that, if the time budget runs short, what is lost is the slowest and least
+# essential stage.
 #
 # Usage: benchmarks/gpu_suite.sh OUT_DIR
 # Environment: CUDA_HOME (default /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0: H100 only, to
@@ -73,6 +76,9 @@ build() { in_time "$PYTHON" -m pip install --no-build-isolation --no-deps -v -e 
 pytest_cuda() { in_time "$PYTHON" -m pytest -m cuda -v 2>&1 | tee "$OUT/pytest_cuda.log"; }
 
 bench() { in_time "$PYTHON" benchmarks/bench_kernels.py --device cuda --out "$OUT"; }
+
+# ~30 s expected (a 98M-param GPT: correctness check in fp32 and bf16, then 4 optimizers timed).
+bench_step() { in_time "$PYTHON" benchmarks/bench_step.py --device cuda --world-size 1 --out "$OUT"; }
 
 # Every op and dtype path at small sizes: odd lengths, one tensor spanning several chunks, more
 # tensors than one launch's metadata holds, and views at an odd element offset so that both the
@@ -175,6 +181,7 @@ main() {
   run_stage build 240 build
   run_stage pytest 150 pytest_cuda
   run_stage bench 150 bench
+  run_stage step 120 bench_step
   run_stage memcheck 90 memcheck
   run_stage racecheck 60 racecheck
   echo
