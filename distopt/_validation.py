@@ -15,7 +15,9 @@ def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_dec
     """Raises ValueError for a negative lr/eps/weight_decay or betas outside [0, 1)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
-    if not _number(lr) >= 0.0:
+    # A GPU lr (capturable) is not read back: that would synchronise with the device every step.
+    on_gpu = isinstance(lr, Tensor) and lr.device.type != "cpu"
+    if not on_gpu and not _number(lr) >= 0.0:
         raise ValueError(f"Invalid learning rate: {_number(lr)} (must be >= 0)")
     if not float(eps) >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")

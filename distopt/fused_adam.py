@@ -11,11 +11,12 @@ from torch import Tensor
 
 from . import ops
 from ._validation import check_adam_hyperparameters, check_unique_params, is_dense
+from .grad_scaling import GradScaling
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(GradScaling, torch.optim.Optimizer):
     """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
     model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
 
@@ -37,10 +38,10 @@ class FusedAdam(torch.optim.Optimizer):
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
     Without ``capturable`` that costs one read of the flag on the host (the same synchronisation the
-    scaler makes for any optimizer); with ``capturable`` there is none.
+    scaler makes for any optimizer); with ``capturable`` there is none. ``unscale_grads``,
+    ``grad_norm`` and ``clip_grad_norm`` (distopt/grad_scaling.py) fold unscaling and clipping into
+    the update too, instead of rewriting the gradients.
     """
-
-    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.capturable = capturable
         super().__init__(params, defaults)  # checks each group through add_param_group
+        self._init_grad_scaling(self._device)
 
     def _check_params(self, params: list[Tensor]) -> None:
         devices = {p.device for p in params}
@@ -150,24 +152,55 @@ class FusedAdam(torch.optim.Optimizer):
 
         grad_scale, found_inf = self._amp_scalars()
         if found_inf is not None and not self.capturable and found_inf.item() != 0:
+            self._reset_grad_scaling()
             return loss  # an inf/nan step: nothing changes, the step counters included
 
         for group, params, grads in work:
             if params:
                 self._step_group(group, params, grads, grad_scale, found_inf)
+        self._reset_grad_scaling()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._reset_grad_scaling()
+
     def _amp_scalars(self) -> tuple[Tensor | None, Tensor | None]:
-        """(inverse scale, found_inf) handed over by ``GradScaler.step`` through attributes."""
+        """(grad scale, found_inf) for the update: the inverse of the scale ``GradScaler.step`` hands
+        over through attributes, times what unscale_grads/clip_grad_norm folded in."""
+        self._catch_up_with_scaler()
         scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        inv_scale = None
+        grad_scale = None
         if scale is not None:
             # In double, as GradScaler.unscale_ does, so both paths multiply by the same float.
-            inv_scale = scale.double().reciprocal().float().to(self._device)
+            grad_scale = scale.double().reciprocal().float().to(self._device)
+        if self._unscaled or self._clips:
+            deferred = self.deferred_grad_scale()
+            grad_scale = deferred if grad_scale is None else grad_scale * deferred
         if found_inf is not None:
             found_inf = found_inf.to(device=self._device, dtype=torch.float32).reshape(())
-        return inv_scale, found_inf
+        elif self._unscaled:
+            found_inf = self._found_inf
+        return grad_scale, found_inf
+
+    def _grads_key(self):
+        return tuple((id(p.grad), p.grad._version) for g in self.param_groups for p in g["params"]
+                     if p.grad is not None)
+
+    def _norm_sq_and_flag(self) -> Tensor:
+        """[sum of squares, inf/nan flag] of the current .grad tensors (one l2norm call per dtype)."""
+        by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    by_dtype[p.grad.dtype].append(p.grad)
+        flag = torch.zeros(1, dtype=torch.float32, device=self._device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self._device)
+        for grads in by_dtype.values():
+            total, _ = ops.l2norm(grads, found_inf=flag)
+            sq = sq + total.square()
+        return torch.cat([sq, flag])
 
     def _step_group(self, group, params, grads, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]

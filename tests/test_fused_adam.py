@@ -206,6 +206,12 @@ def scaled_training(opt_cls, pattern: str, steps: int = 10, dtype=torch.float32,
         if pattern == "unscale_clip":
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        elif pattern == "unscale_grads_clip":  # distopt's own calls: nothing rewrites the grads
+            opt.unscale_grads(grad_scaler=scaler)
+            opt.clip_grad_norm(0.5)
+        elif pattern == "stock_unscale_our_clip":
+            scaler.unscale_(opt)
+            opt.clip_grad_norm(0.5)
         scaler.step(opt)
         scaler.update()
         snapshot = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
@@ -228,9 +234,30 @@ def assert_scaled_runs_match(ours, ref, dtype=torch.float32):
     assert scales[2] == scales[1] * 0.25 and scales[3] == scales[2] * 3.0
 
 
-@pytest.mark.parametrize("pattern", ["step", "unscale_clip"])
+@pytest.mark.parametrize("pattern", ["step", "unscale_clip", "unscale_grads_clip", "stock_unscale_our_clip"])
 def test_grad_scaler_matches_torch_and_skips_poisoned_steps(pattern):
-    assert_scaled_runs_match(scaled_training(FusedAdam, pattern), scaled_training(torch.optim.AdamW, pattern))
+    """The three AMP call patterns (and torch's own clip on FusedAdam) against torch's recipe."""
+    reference = "step" if pattern == "step" else "unscale_clip"
+    assert_scaled_runs_match(scaled_training(FusedAdam, pattern), scaled_training(torch.optim.AdamW, reference))
+
+
+def test_clip_grad_norm_without_scaler_matches_torch():
+    """opt.clip_grad_norm returns torch's norm and clips lazily to the same params."""
+    ref_model, model = make_model(), make_model()
+    ref_opt, opt = torch.optim.AdamW(two_groups(ref_model)), FusedAdam(two_groups(model))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x, y = torch.randn(16, 12, generator=gen), torch.randn(16, 7, generator=gen)
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.2)
+        norm = opt.clip_grad_norm(0.2)
+        assert ref_norm > 0.2  # clipping is active
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        ref_opt.step()
+        opt.step()
+        assert_history_close([list(model.parameters())], [list(ref_model.parameters())])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

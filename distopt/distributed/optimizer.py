@@ -13,14 +13,20 @@ from torch import Tensor, nn
 
 from .. import ops
 from .._validation import check_adam_hyperparameters, check_unique_params, is_dense
+from ..grad_scaling import GradScaling
 from .buckets import BucketRuntime, ShardState, flat, flat_like, shard_runs
 from .comm import Comm
-from .layout import Layout, plan_layout
+from .layout import DEFAULT_ALIGN, Layout, plan_layout
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class DistributedFusedAdam(torch.optim.Optimizer):
+# GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
+# replacement (attributes) cannot work for an optimizer whose grads the scaler never sees.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     """Adam/AdamW with gradients and optimizer state sharded over data-parallel ranks (ZeRO-2).
 
     Use it instead of wrapping the model in DDP: every rank runs the same model on its own batch;
@@ -57,7 +63,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         to the param dtype).
       store_param_remainders=False: for bf16 params, keep only the int16 low halves of the fp32
         masters (the bf16 params are the high halves): fp32-exact updates for 2 bytes per element.
-      capturable=False: reserved for CUDA-graph capture of the whole step (see the AMP/graph issue).
+      capturable=False: True keeps lr (``group["lr"]`` becomes a float32 GPU tensor that schedulers
+        update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
+        with no host synchronisation anywhere, so a whole training step (backward with its
+        reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
+
+    Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
+    ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
+    themselves. With the stock ``torch.amp.GradScaler``, ``scaler.step(opt)`` passes itself to
+    ``step(grad_scaler=...)``; a step whose gradients hold inf/nan on any rank changes nothing on
+    every rank, and ``scaler.update()`` backs off. (torch marks that keyword deprecated in favour of
+    attributes that cannot carry the inf flag of gradients it never sees; its FutureWarning is
+    silenced for this optimizer.) Without ``capturable``, a step with a scaler reads the inf flag on
+    the host once.
 
     Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
     updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
@@ -98,8 +116,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"{name} must be float32, float16, bfloat16 or None, got {value}")
         if bucket_cap_mb <= 0 or pipeline_size < 1:
             raise ValueError(f"bucket_cap_mb must be > 0 and pipeline_size >= 1, got {bucket_cap_mb}, {pipeline_size}")
-        if capturable:
-            raise NotImplementedError("DistributedFusedAdam(capturable=True) is not implemented yet")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
         super().__init__(params, defaults)
 
@@ -120,7 +136,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._params)}
+        self.capturable = capturable
         self._check_params()
+        if capturable and self.device.type != "cuda":
+            raise ValueError(f"capturable=True is for CUDA-graph capture: params must be on a CUDA device, "
+                             f"not {self.device}")
+        if capturable:
+            for g in self.param_groups:
+                g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32).to(self.device)
+        self._init_grad_scaling(self.device)
+        self._grads_version = 0  # bumped whenever a reduction lands in the grad shards
+        self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
+        self._captured = False  # a step was captured in a CUDA graph: its buffers must stay put
 
         self._layout: Layout | None = None
         self._buckets: list[BucketRuntime] = []
@@ -135,6 +162,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._no_sync = False
         self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
         self._pending_gather: list[int] = []  # overlap_param_sync: buckets still to all-gather
+        self._gather_skip_if: Tensor | None = None  # their copy-out is skipped if this flag is set
         self._step_count = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
         self._forward_hooks: list = []
@@ -212,7 +240,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
         bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
         if self.contiguous_param_buffer or self.contiguous_grad_buffer:
-            bucket_numel = max(bucket_numel, max(p.numel() for p in params))  # never split a param
+            # Params become views of one bucket: never split one (the planner rounds capacity down
+            # to whole shard units, so round the largest param up to one).
+            unit = self.comm.dist_size * DEFAULT_ALIGN
+            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in params) // unit) * unit)
         layout = plan_layout([p.numel() for p in params], self.comm.dist_size, bucket_numel, keys)
         # Pieces name params by position in `order`; translate to indices into self._params.
         self._layout = _reindex(layout, order)
@@ -294,7 +325,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             bucket = self._buckets[piece.bucket]
             if bucket.launched:  # still reducing the previous micro-batch: finish it first
                 self._in_flight.remove(bucket)
-                bucket.finish_reduce_scatter(self.comm)
+                self._finish(bucket)
             if was_view and src.data_ptr() != bucket.grad_view(piece).data_ptr():
                 # autograd replaced our view by (view + new grad): the sum is the new content
                 bucket.written.discard(i)
@@ -311,7 +342,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _launch(self, bucket: BucketRuntime) -> None:
         while len(self._in_flight) >= self.pipeline_size:
-            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+            self._finish(self._in_flight.pop(0))
         for i in bucket.params:
             if i in self._grad_views:  # the buffer is about to be reduced: no more in-place accumulation
                 self._params[i].grad = None
@@ -332,7 +363,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self._needs_round:
             self._launch_remaining()
         while self._in_flight:
-            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+            self._finish(self._in_flight.pop(0))
+
+    def _finish(self, bucket: BucketRuntime) -> None:
+        bucket.finish_reduce_scatter(self.comm)
+        self._grads_version += 1
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -347,10 +382,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops all gradients: model .grad, unsynchronised buckets and reduced shards."""
         while self._in_flight:  # collectives cannot be cancelled: finish, then forget
-            self._in_flight.pop(0).finish_reduce_scatter(self.comm)
+            self._finish(self._in_flight.pop(0))
         for b in self._buckets:
             b.end_window()
             b.state.grad_valid = False
+        self._reset_grad_scaling()
         self._next_launch = 0
         self._needs_round = False
         self._grad_views.clear()
@@ -360,9 +396,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scaler=None):
         """Finishes grad sync, updates this rank's shard with one fused kernel per group, then
-        all-gathers the params (or leaves that to the next forward with overlap_param_sync)."""
+        all-gathers the params (or leaves that to the next forward with overlap_param_sync).
+        `grad_scaler` is passed by ``GradScaler.step``; inf/nan gradients skip the step everywhere."""
         if self._no_sync:
             raise RuntimeError("step() inside no_sync(): leave the no_sync() block first")
         loss = None
@@ -373,28 +410,89 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self._check_param_shapes()
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
+        self._check_capture()
         self.grad_sync()
+        self._zero_stale_grads()
 
-        for b in self._buckets:
-            if not b.state.grad_valid:  # nothing was reduced since the last step: zero gradients
-                b.state.grad.zero_()
-        self._step_count += 1
-        for (group_index, _), lists in self._kernel_lists().items():
-            group = self.param_groups[group_index]
-            beta1, beta2 = group["betas"]
-            ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, beta1=beta1, beta2=beta2,
-                           eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"])
-        for b in self._buckets:
-            b.state.grad_valid = False
+        found_inf = None
+        if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
+            found_inf = self._settle_with_scaler(grad_scaler)
+        else:
+            self._catch_up_with_scaler()
+            if self._unscaled:
+                self._raw_grad_norm()
+                found_inf = self._found_inf
+        grad_scale = self.deferred_grad_scale()
+        if self.capturable:
+            self._step_tensor.add_(1.0 - found_inf if found_inf is not None else 1.0)
+        elif found_inf is not None and found_inf.item() != 0:  # every rank reads the same flag
+            self._end_step()
+            return loss
+        else:
+            self._step_count += 1
+        self._update(grad_scale, found_inf if self.capturable else None)
+        self._end_step()
 
+        skip_if = found_inf if self.capturable else None  # skipped: write nothing back into the params
+        self._gather_skip_if = skip_if
         if self.overlap_param_sync:
             self._pending_gather = list(range(len(self._buckets)))
         else:
             for b in self._buckets:
                 b.launch_gather(self.comm)
             for b in self._buckets:
-                b.finish_gather(self.comm, self._params, None)
+                b.finish_gather(self.comm, self._params, skip_if)
         return loss
+
+    def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
+        for (group_index, _), lists in self._kernel_lists().items():
+            group = self.param_groups[group_index]
+            beta1, beta2 = group["betas"]
+            hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
+            if self.capturable:
+                lr = group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(self.device)
+                ops.adam_step_capturable_(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]),
+                                          found_inf=found_inf, **hyper)
+            else:
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, **hyper)
+
+    def _end_step(self) -> None:
+        for b in self._buckets:
+            b.state.grad_valid = False
+        self._reset_grad_scaling()
+
+    def _zero_stale_grads(self) -> None:
+        for b in self._buckets:
+            if not b.state.grad_valid:  # nothing was reduced since the last step: zero gradients
+                b.state.grad.zero_()
+                b.state.grad_valid = True
+                self._grads_version += 1
+
+    def _check_capture(self) -> None:
+        if self.capturable and torch.cuda.is_current_stream_capturing():
+            if self._layout is None:
+                raise RuntimeError("DistributedFusedAdam: run a few eager steps before capturing a CUDA graph: "
+                                   "the first step builds the bucket layout and allocates the optimizer state")
+            self._captured = True
+        elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DistributedFusedAdam.step() is being captured in a CUDA graph: construct the "
+                               "optimizer with capturable=True (the eager step reads the inf flag on the host)")
+
+    # ------------------------------------------------------------------ norms and scaling
+
+    def _grads_key(self) -> int:
+        return self._grads_version
+
+    def _norm_sq_and_flag(self) -> Tensor:
+        """[sum of squares, inf/nan count] of the reduced grad shards, summed over the shard group."""
+        self.grad_sync()
+        self._zero_stale_grads()
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        total, _ = ops.l2norm([b.state.grad for b in self._buckets], found_inf=flag)
+        result = torch.cat([total.square().reshape(1), flag])
+        self.comm.all_reduce_sum(result)
+        return result
 
     def _check_param_shapes(self) -> None:
         if self._layout is None:
@@ -447,7 +545,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for index in sorted(pending, reverse=True):
             if index < last:
                 break
-            self._buckets[index].finish_gather(self.comm, self._params, None)
+            self._buckets[index].finish_gather(self.comm, self._params, self._gather_skip_if)
             pending.remove(index)
 
     def _register_forward_hooks(self) -> None:

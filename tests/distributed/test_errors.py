@@ -103,7 +103,7 @@ SETUP_CASES = {
     "no-trainable-params": (lambda: DistributedFusedAdam(make_model().requires_grad_(False).parameters()),
                             ValueError, "no trainable"),
     "capturable": (lambda: DistributedFusedAdam(make_model().parameters(), capturable=True),
-                   NotImplementedError, "capturable"),
+                   ValueError, "capturable=True is for CUDA-graph capture"),
     "add_param_group-after-construction": (_add_param_group_after_construction, RuntimeError, "after construction"),
 }
 

@@ -1,0 +1,164 @@
+"""Deferred gradient scaling, clipping and GradScaler bookkeeping, shared by both optimizers.
+
+Nothing here rewrites gradients. Unscaling and clipping only multiply device scalars that the fused
+update applies as ``grad_scale``, and one L2-norm pass gives both the norm and the inf/nan flag. All of
+it stays on the device (no host synchronisation), so it can be captured in a CUDA graph.
+
+With the stock ``torch.amp.GradScaler``, each of these leaves the same params as the reference
+``scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt); scaler.update()``:
+  1. ``opt.unscale_grads(grad_scaler=scaler); opt.clip_grad_norm(m); scaler.step(opt)``
+  2. ``scaler.step(opt)`` alone
+  3. ``scaler.unscale_(opt); opt.clip_grad_norm(m); scaler.step(opt)``: where the stock ``unscale_``
+     saw no ``.grad`` of ours (DistributedFusedAdam moves grads into its buckets), the optimizer
+     unscales them itself, exactly once: at the clip if it knows the scaler from an earlier step,
+     otherwise at ``step``, which then redoes the clip with the true scale (and writes the corrected
+     norm into the tensor the clip returned).
+The scaler's per-optimizer state (``_per_optimizer_states``, ``OptState``) is read and written as
+the scaler itself does; it has been stable since torch 1.6.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+from torch.amp.grad_scaler import OptState
+
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+class GradScaling:
+    """Mixin: subclasses call ``_init_grad_scaling(device)`` and implement ``_norm_sq_and_flag``."""
+
+    # GradScaler.step then calls our step() directly instead of unscaling .grad itself and skipping it.
+    _step_supports_amp_scaling = True
+
+    def _init_grad_scaling(self, device: torch.device) -> None:
+        self._inv_scale = torch.ones((), dtype=torch.float32, device=device)  # folded loss unscale
+        self._clip_coef = torch.ones((), dtype=torch.float32, device=device)  # product of clip coefficients
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._raw_norm: Tensor | None = None  # norm of the grads as stored, before the deferred factors
+        self._raw_norm_key = None  # _grads_key() when _raw_norm was computed
+        self._unscaled = False  # a loss-scale inverse was folded in this iteration
+        self._clips: list[tuple[float, Tensor]] = []  # (max_norm, returned norm) of this iteration
+        self._scaler: weakref.ref | None = None
+
+    # Subclasses: [sum of squares, nonzero if any inf/nan] of the grads as stored, over every rank.
+    def _norm_sq_and_flag(self) -> Tensor:
+        raise NotImplementedError
+
+    # Subclasses: a value that changes whenever the stored grads may have changed.
+    def _grads_key(self):
+        raise NotImplementedError
+
+    def _reset_grad_scaling(self) -> None:
+        """Starts a new iteration (after step, or on zero_grad)."""
+        self._inv_scale.fill_(1.0)
+        self._clip_coef.fill_(1.0)
+        self._raw_norm = None
+        self._unscaled = False
+        self._clips = []
+
+    def _raw_grad_norm(self) -> Tensor:
+        if self._raw_norm is None or self._raw_norm_key != self._grads_key():
+            sq_and_flag = self._norm_sq_and_flag()
+            self._raw_norm = sq_and_flag[0].sqrt()
+            self._raw_norm_key = self._grads_key()  # after the pass: it may synchronise grads first
+            torch.clamp(sq_and_flag[1], max=1.0, out=self._found_inf)
+        return self._raw_norm
+
+    def deferred_grad_scale(self) -> Tensor:
+        """The factor the next update multiplies the stored grads by (inverse loss scale x clip)."""
+        return self._inv_scale * self._clip_coef
+
+    def grad_norm(self) -> Tensor:
+        """Global L2 norm of the gradients as the next update will apply them (unscaled, clipped):
+        a float32 device tensor. Also sets the inf/nan flag. Cached until the grads change."""
+        self._catch_up_with_scaler()
+        return self._raw_grad_norm() * self.deferred_grad_scale().abs()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Like ``torch.nn.utils.clip_grad_norm_``: returns the norm before clipping and scales the
+        gradients (lazily, in the update) by ``min(1, max_norm / (norm + 1e-6))``."""
+        if float(norm_type) != 2.0:
+            raise NotImplementedError(f"clip_grad_norm supports the L2 norm only, got norm_type={norm_type}")
+        norm = self.grad_norm()
+        self._clips.append((float(max_norm), norm))
+        self._clip_coef.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
+        return norm
+
+    def unscale_grads(self, grad_scaler=None, inv_scale: float | Tensor | None = None) -> None:
+        """Folds the inverse loss scale into the update (no pass over the grads) and records whether
+        any grad is inf/nan (agreed by every rank) in ``grad_scaler``'s state, which it then marks
+        unscaled, as ``GradScaler.unscale_`` would."""
+        if grad_scaler is not None:
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.UNSCALED:
+                raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError("unscale_() is being called after step().")
+            self._remember(grad_scaler)
+            self._fold_unscale(grad_scaler._scale.double().reciprocal().float())
+            self._record(grad_scaler)
+        elif inv_scale is not None:
+            self._fold_unscale(inv_scale)
+            self._raw_grad_norm()  # sets the inf/nan flag
+        else:
+            raise ValueError("unscale_grads needs a grad_scaler or an inv_scale")
+
+    def _fold_unscale(self, inv: float | Tensor) -> None:
+        inv = torch.as_tensor(inv, dtype=torch.float32).to(self._inv_scale.device)
+        if self._clips:  # clipped before the scale was known: redo the clips with it
+            self._inv_scale.mul_(inv)
+            self._redo_clips()
+        else:
+            self._inv_scale.mul_(inv)
+        self._unscaled = True
+
+    def _redo_clips(self) -> None:
+        raw = self._raw_grad_norm()
+        self._clip_coef.fill_(1.0)
+        for max_norm, returned in self._clips:
+            norm = raw * self.deferred_grad_scale().abs()
+            returned.copy_(norm)
+            self._clip_coef.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
+
+    def _remember(self, scaler) -> None:
+        self._scaler = weakref.ref(scaler)
+
+    def _record(self, scaler) -> None:
+        """Writes our (global) inf/nan flag into the scaler's state for this optimizer."""
+        self._raw_grad_norm()
+        state = scaler._per_optimizer_states[id(self)]
+        # A copy: the scaler reads it in update(), after our next reset may have cleared the flag.
+        state["found_inf_per_device"] = {self._found_inf.device: self._found_inf.clone()}
+        state["stage"] = OptState.UNSCALED
+        state["distopt_recorded"] = True
+
+    def _scaler_skipped_us(self, scaler) -> bool:
+        """The stock unscale_() ran this iteration without seeing any of our grads."""
+        state = scaler._per_optimizer_states.get(id(self))
+        return (state is not None and state["stage"] is OptState.UNSCALED and not state.get("distopt_recorded")
+                and self._inv_scale.device not in state["found_inf_per_device"])
+
+    def _catch_up_with_scaler(self) -> None:
+        """Framework style: if a known scaler's stock unscale_() skipped our grads, unscale now."""
+        scaler = self._scaler() if self._scaler is not None else None
+        if scaler is not None and not self._unscaled and self._scaler_skipped_us(scaler):
+            self._fold_unscale(scaler._scale.double().reciprocal().float())
+            self._record(scaler)
+
+    def _settle_with_scaler(self, scaler) -> Tensor:
+        """At step(grad_scaler=...): make sure the grads were unscaled exactly once and the scaler
+        holds our global inf/nan flag; returns the flag."""
+        self._remember(scaler)
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            self.unscale_grads(grad_scaler=scaler)
+        elif self._scaler_skipped_us(scaler):
+            self._fold_unscale(scaler._scale.double().reciprocal().float())
+            self._record(scaler)
+        else:
+            self._record(scaler)  # the stock unscale_ handled .grad; every rank must still agree on inf
+        return self._found_inf
