@@ -61,8 +61,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         the most. True keeps masters for every param (apex's default); False never does (16-bit params
         are then updated directly, losing updates below their precision; needs param_sync_dtype equal
         to the param dtype).
-      store_param_remainders=False: for bf16 params, keep only the int16 low halves of the fp32
-        masters (the bf16 params are the high halves): fp32-exact updates for 2 bytes per element.
+      store_param_remainders=False: for bf16 params synchronised in bf16, keep only the int16 low
+        halves of the fp32 masters (the bf16 params are the high halves): fp32-exact updates for 2
+        bytes per element. Other params in the same model follow store_params.
       capturable=False: True keeps lr (``group["lr"]`` becomes a float32 GPU tensor that schedulers
         update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
         with no host synchronisation anywhere, so a whole training step (backward with its
@@ -130,7 +131,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.contiguous_grad_buffer = contiguous_grad_buffer
         self.contiguous_param_buffer = contiguous_param_buffer
         self.store_param_remainders = store_param_remainders
-        self.store_params = False if store_param_remainders else store_params
+        self.store_params = store_params
 
         # The trainable params, in param-group order; their index here names them everywhere.
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -183,13 +184,15 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
                 f"communicates {expected} tensors"
             )
+        if self.store_param_remainders and not any(self._stores_remainders(self._param_dtype(p), p.dtype)
+                                                   for p in self._params):
+            raise ValueError("store_param_remainders applies to bfloat16 params synchronised in bfloat16; "
+                             "there are none")
         for p in self._params:
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(f"params must be float32, float16 or bfloat16, got {p.dtype}")
             if not is_dense(p):
                 raise ValueError("params must be dense tensors (non-overlapping, no gaps)")
-            if self.store_param_remainders and (p.dtype != torch.bfloat16 or self._param_dtype(p) != torch.bfloat16):
-                raise ValueError("store_param_remainders needs bfloat16 params synchronised in bfloat16")
             if self.store_params is False and self._param_dtype(p) != p.dtype:
                 raise ValueError("store_params=False uses the model params as masters: param_sync_dtype must be "
                                  f"the param dtype ({p.dtype})")
@@ -197,8 +200,13 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 raise ValueError("contiguous_param_buffer makes params views of the sync buffer: param_sync_dtype "
                                  f"must be the param dtype ({p.dtype})")
 
+    def _stores_remainders(self, param_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+        return self.store_param_remainders and param_dtype == model_dtype == torch.bfloat16
+
     def _stores_master(self, param_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
         """Whether a bucket of params of `model_dtype`, synchronised in `param_dtype`, keeps fp32 masters."""
+        if self._stores_remainders(param_dtype, model_dtype):
+            return False
         if self.store_params is None:
             return not (param_dtype == model_dtype == torch.float32)
         return self.store_params
@@ -262,9 +270,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer)
-            master = self._stores_master(param_dtype, model_dtype)
-            b.state = ShardState.zeros(spec.shard_numel, self.device, master=master,
-                                       remainders=self.store_param_remainders)
+            b.state = ShardState.zeros(spec.shard_numel, self.device,
+                                       master=self._stores_master(param_dtype, model_dtype),
+                                       remainders=self._stores_remainders(param_dtype, model_dtype))
             if b.state.master is not None:
                 srcs = [flat(self._params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
                         for f in b.fragments]
@@ -502,9 +510,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 raise RuntimeError(f"param {i} changed size after the bucket layout was built "
                                    f"({p.numel()} elements now)")
 
-    def _kernel_lists(self) -> dict[tuple[int, torch.dtype], dict[str, list[Tensor]]]:
-        """The fused kernel's argument lists: one call per (param group, param_sync dtype)."""
-        calls: dict[tuple[int, torch.dtype], dict[str, list[Tensor]]] = {}
+    def _kernel_lists(self) -> dict[tuple, dict[str, list[Tensor]]]:
+        """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
+        calls: dict[tuple, dict[str, list[Tensor]]] = {}
         for b in self._buckets:
             s = b.state
             local = b.local_param_slice()
@@ -512,7 +520,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 if not self.contiguous_param_buffer:
                     b.gather_in(self._params)  # the model params are the masters (or their high halves)
             for group, start, end in b.runs:
-                c = calls.setdefault((group, b.param_dtype), {"params": [], "grads": [], "exp_avgs": [],
+                c = calls.setdefault((group, b.spec.group), {"params": [], "grads": [], "exp_avgs": [],
                                                             "exp_avg_sqs": [], "param_outs": [],
                                                             "param_remainders": []})
                 c["params"].append((s.master if s.master is not None else local)[start:end])

@@ -43,7 +43,8 @@ class Net(nn.Module):
         self.extra = nn.Linear(24, 24) if rank_dependent else None
 
     def forward(self, x: torch.Tensor, rank: int = 0) -> torch.Tensor:
-        h = self.body(torch.tanh(self.stem(x)))
+        # casts let the body run in another dtype than the rest (a mixed-precision model)
+        h = self.body(torch.tanh(self.stem(x)).to(self.body[0].weight.dtype)).to(self.head.weight.dtype)
         if self.extra is not None and rank == 0:
             h = h + self.extra(h)
         return self.head(h)
@@ -51,7 +52,10 @@ class Net(nn.Module):
 
 def make_net(cfg: Config) -> Net:
     torch.manual_seed(0)
-    return Net(cfg.unused, cfg.rank_dependent).to(device=cfg.device, dtype=cfg.dtype)
+    net = Net(cfg.unused, cfg.rank_dependent).to(device=cfg.device, dtype=cfg.dtype)
+    if cfg.mixed_bf16_body:
+        net.body.to(torch.bfloat16)
+    return net
 
 
 def param_groups(model: Net) -> list[dict]:
@@ -79,9 +83,10 @@ class Config:
     extra_steps_for_ours: int = 0  # negative control: ours takes more steps than the reference
     device: str = "cpu"
     ref_master_weights: bool = True  # 16-bit models: the reference FusedAdam keeps fp32 masters
+    mixed_bf16_body: bool = False  # an fp32 model whose middle layers are bf16
     @property
     def table_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16_grad_sync else self.dtype
+        return torch.bfloat16 if self.bf16_grad_sync or self.mixed_bf16_body else self.dtype
 
 
 def reference(cfg: Config, model: Net) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -89,7 +94,7 @@ def reference(cfg: Config, model: Net) -> tuple[nn.Module, torch.optim.Optimizer
     if cfg.bf16_grad_sync:
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     groups = param_groups(model)
-    if cfg.dtype != torch.float32:
+    if cfg.dtype != torch.float32 or cfg.mixed_bf16_body:
         return ddp, FusedAdam(groups, master_weights=cfg.ref_master_weights, adam_w_mode=cfg.adam_w_mode)
     torch_cls = torch.optim.AdamW if cfg.adam_w_mode else torch.optim.Adam
     return ddp, torch_cls(groups)
@@ -170,6 +175,8 @@ CONFIGS = {
     "bf16_model": Config(dtype=torch.bfloat16),
     "fp16_model": Config(dtype=torch.float16),
     "bf16_remainders": Config(dtype=torch.bfloat16, opt=dict(store_param_remainders=True)),
+    "mixed_dtypes": Config(mixed_bf16_body=True),
+    "mixed_dtypes_remainders": Config(mixed_bf16_body=True, opt=dict(store_param_remainders=True)),
     "bf16_remainders_contiguous": Config(dtype=torch.bfloat16, opt=dict(store_param_remainders=True,
                                                                         contiguous_param_buffer=True)),
 }

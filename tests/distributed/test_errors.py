@@ -279,3 +279,24 @@ def test_harness_returns_tensor_results():
     """run_ranks returns each rank's tensor result (fn's contract is 'picklable', which tensors are)."""
     results = run_ranks(_return_tensor, 2, timeout=30)
     assert [r.tolist() for r in results] == [[0.0] * 3, [1.0] * 3]
+
+
+def _step_under_pretended_capture(rank: int, world_size: int) -> str:
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters())
+    model(torch.randn(3, model[0].in_features)).sum().backward()
+    opt.step()  # builds the layout
+    model(torch.randn(3, model[0].in_features)).sum().backward()
+    torch.cuda.is_available = lambda: True  # this forked rank only: pretend to be capturing a graph
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_eager_step_refuses_cuda_graph_capture():
+    """A non-capturable step inside a CUDA-graph capture raises (its inf check would sync the host)."""
+    messages = run_ranks(_step_under_pretended_capture, 1)
+    assert "capturable=True" in messages[0]

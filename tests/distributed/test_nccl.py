@@ -4,12 +4,9 @@ the same scenarios as test_ddp_equivalence.py. GPU tests: marked cuda, skipped w
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from test_ddp_equivalence import CONFIGS, train_and_compare
 
@@ -18,17 +15,6 @@ pytestmark = pytest.mark.cuda
 GPU_CASES = ["default", "overlap_off", "sync_every_micro_batch", "tiny_buckets", "contiguous_buffers",
              "overlap_param_sync", "unused_params", "adam_l2", "bf16_grad_sync", "bf16_model", "fp16_model",
              "bf16_remainders", "bf16_remainders_contiguous"]
-
-
-@pytest.fixture(scope="module")
-def nccl_group():
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", GPU_CASES)
