@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .. import ops
 from .._validation import check_adam_hyperparameters, check_unique_params, is_dense
 from ..grad_scaling import GradScaling
-from .buckets import BucketRuntime, ShardState, flat, flat_like, shard_runs
+from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
+from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, plan_layout
+from .param_sync import ParamSync
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -146,27 +146,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             for g in self.param_groups:
                 g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32).to(self.device)
         self._init_grad_scaling(self.device)
-        self._grads_version = 0  # bumped whenever a reduction lands in the grad shards
+        self._step_count = 0
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
         self._captured = False  # a step was captured in a CUDA graph: its buffers must stay put
-
         self._layout: Layout | None = None
         self._buckets: list[BucketRuntime] = []
-        self._arrival: list[int] = []  # first-backward order, recorded until the layout exists
-        self._arrived: set[int] = set()
-        self._next_launch = 0  # buckets launch strictly in index order on every rank
-        self._round_open = False  # a synchronising backward is running (its round not yet closed)
-        # Gradients were accumulated outside a round (no_sync, overlap_grad_sync=False, the first
-        # backward): grad_sync must run one. Depends only on program structure, so ranks agree.
-        self._needs_round = False
-        self._in_flight: list[BucketRuntime] = []
-        self._no_sync = False
-        self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
-        self._pending_gather: list[int] = []  # overlap_param_sync: buckets still to all-gather
-        self._gather_skip_if: Tensor | None = None  # their copy-out is skipped if this flag is set
-        self._step_count = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in self._params]
-        self._forward_hooks: list = []
+        self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
+                               average_grad_sync)
+        self._param_sync: ParamSync | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -231,14 +218,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         param-group order. Without this call the layout follows the first backward pass."""
         if self._layout is not None:
             raise RuntimeError("init_params: the layout is already built")
-        order = [self._index[p] for p in params] if params is not None else []
-        self._arrival, self._arrived = order, set(order)
+        self._grads.set_arrival([self._index[p] for p in params] if params is not None else [])
         self._build_layout(default_tail_reversed=True)
 
     def _build_layout(self, default_tail_reversed: bool = False) -> None:
-        seen = set(self._arrival)
+        arrival = self._grads.arrival
+        seen = set(arrival)
         rest = [i for i in range(len(self._params)) if i not in seen]
-        order = self._arrival + (rest[::-1] if default_tail_reversed else rest)
+        order = arrival + (rest[::-1] if default_tail_reversed else rest)
         if len(order) != len(self._params) or set(order) != set(range(len(self._params))):
             raise ValueError("init_params: params must be distinct params of this optimizer")
         # Every rank must pack identically: take rank 0's order (backward order may differ by rank).
@@ -281,125 +268,29 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 b.bind_params(self._params)
             b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
             self._buckets.append(b)
-        if self.overlap_param_sync:
-            self._register_forward_hooks()
-        # Grads of the first backward wait in .grad; move them into the buckets now.
-        for i in self._arrival:
-            p = self._params[i]
-            if p.grad is not None:
-                self._accumulate(i, p)
+        self._grads.attach(self._layout, self._buckets)
+        self._param_sync = ParamSync(self.comm, self._params, self._layout, self._buckets, self.overlap_param_sync)
 
     # ------------------------------------------------------------------ gradients
-
-    def _grad_hook(self, p: Tensor) -> None:
-        i = self._index[p]
-        if self._layout is None:
-            if i not in self._arrived:
-                self._arrived.add(i)
-                self._arrival.append(i)
-            return  # first backward: .grad stays until the layout is built at grad_sync
-        syncing = self.overlap_grad_sync and not self._no_sync
-        if syncing and not self._round_open:
-            # One round of reduce-scatters per synchronising backward, closed when it ends (as DDP
-            # does): every rank then issues the same collectives in the same order.
-            self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._accumulate(i, p, syncing)
-        if not syncing:
-            self._needs_round = True
-        else:
-            while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].ready():
-                self._launch(self._buckets[self._next_launch])
-
-    def _end_of_backward(self) -> None:
-        """Closes the round: launches the buckets still waiting (missing grads count as zero)."""
-        self._round_open = False
-        self._launch_remaining()
-
-    def _launch_remaining(self) -> None:
-        while self._next_launch < len(self._buckets):
-            self._launch(self._buckets[self._next_launch])
-        self._next_launch = 0
-        self._needs_round = False
-
-    def _accumulate(self, i: int, p: Tensor, syncing: bool = False) -> None:
-        """Moves p.grad into its bucket(s) and frees it (or leaves it a view of the bucket)."""
-        grad = p.grad
-        if grad.is_sparse:
-            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
-        src = flat_like(grad.detach(), p)
-        was_view = i in self._grad_views
-        for piece in self._layout.param_pieces[i]:
-            bucket = self._buckets[piece.bucket]
-            if bucket.launched:  # still reducing the previous micro-batch: finish it first
-                self._in_flight.remove(bucket)
-                self._finish(bucket)
-            if was_view and src.data_ptr() != bucket.grad_view(piece).data_ptr():
-                # autograd replaced our view by (view + new grad): the sum is the new content
-                bucket.written.discard(i)
-            bucket.accumulate(piece, src)
-            if syncing:
-                bucket.synced.add(i)
-        if self.contiguous_grad_buffer and self._no_sync:
-            piece = self._layout.param_pieces[i][0]
-            p.grad = self._buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
-            self._grad_views.add(i)
-        else:
-            p.grad = None
-            self._grad_views.discard(i)
-
-    def _launch(self, bucket: BucketRuntime) -> None:
-        while len(self._in_flight) >= self.pipeline_size:
-            self._finish(self._in_flight.pop(0))
-        for i in bucket.params:
-            if i in self._grad_views:  # the buffer is about to be reduced: no more in-place accumulation
-                self._params[i].grad = None
-                self._grad_views.discard(i)
-        divide_by = self.comm.data_parallel_size if self.average_grad_sync else 1
-        bucket.launch_reduce_scatter(self.comm, divide_by)
-        self._in_flight.append(bucket)
-        self._next_launch += 1
 
     def grad_sync(self) -> None:
         """Finishes gradient synchronisation: starts the reduce-scatters backward did not (in bucket
         order, with zeros for params that got no grad), then waits for all of them."""
-        if self._no_sync:
+        if self._grads.in_no_sync:
             raise RuntimeError("grad_sync() inside no_sync(): leave the no_sync() block first")
         if self._layout is None:
             self._build_layout()
-            self._needs_round = True
-        if self._needs_round:
-            self._launch_remaining()
-        while self._in_flight:
-            self._finish(self._in_flight.pop(0))
+        self._grads.sync()
 
-    def _finish(self, bucket: BucketRuntime) -> None:
-        bucket.finish_reduce_scatter(self.comm)
-        self._grads_version += 1
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self):
         """Accumulates gradients locally (no communication) for the backward passes inside; the first
         backward after the block synchronises the sum, as DDP.no_sync()."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self._grads.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops all gradients: model .grad, unsynchronised buckets and reduced shards."""
-        while self._in_flight:  # collectives cannot be cancelled: finish, then forget
-            self._finish(self._in_flight.pop(0))
-        for b in self._buckets:
-            b.end_window()
-            b.state.grad_valid = False
+        self._grads.clear()
         self._reset_grad_scaling()
-        self._next_launch = 0
-        self._needs_round = False
-        self._grad_views.clear()
-        for p in self._params:
-            p.grad = None
 
     # ------------------------------------------------------------------ step
 
@@ -408,7 +299,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         """Finishes grad sync, updates this rank's shard with one fused kernel per group, then
         all-gathers the params (or leaves that to the next forward with overlap_param_sync).
         `grad_scaler` is passed by ``GradScaler.step``; inf/nan gradients skip the step everywhere."""
-        if self._no_sync:
+        if self._grads.in_no_sync:
             raise RuntimeError("step() inside no_sync(): leave the no_sync() block first")
         loss = None
         if closure is not None:
@@ -420,7 +311,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
         self.grad_sync()
-        self._zero_stale_grads()
+        self._grads.zero_stale_shards()
 
         found_inf = None
         if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
@@ -441,15 +332,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._update(grad_scale, found_inf if self.capturable else None)
         self._end_step()
 
-        skip_if = found_inf if self.capturable else None  # skipped: write nothing back into the params
-        self._gather_skip_if = skip_if
-        if self.overlap_param_sync:
-            self._pending_gather = list(range(len(self._buckets)))
-        else:
-            for b in self._buckets:
-                b.launch_gather(self.comm)
-            for b in self._buckets:
-                b.finish_gather(self.comm, self._params, skip_if)
+        # capturable: a skipped step must write nothing back into the params
+        self._param_sync.after_step(found_inf if self.capturable else None)
         return loss
 
     def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
@@ -470,13 +354,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             b.state.grad_valid = False
         self._reset_grad_scaling()
 
-    def _zero_stale_grads(self) -> None:
-        for b in self._buckets:
-            if not b.state.grad_valid:  # nothing was reduced since the last step: zero gradients
-                b.state.grad.zero_()
-                b.state.grad_valid = True
-                self._grads_version += 1
-
     def _check_capture(self) -> None:
         if self.capturable and torch.cuda.is_current_stream_capturing():
             if self._layout is None:
@@ -490,12 +367,12 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     # ------------------------------------------------------------------ norms and scaling
 
     def _grads_key(self) -> int:
-        return self._grads_version
+        return self._grads.version
 
     def _norm_sq_and_flag(self) -> Tensor:
         """[sum of squares, inf/nan count] of the reduced grad shards, summed over the shard group."""
         self.grad_sync()
-        self._zero_stale_grads()
+        self._grads.zero_stale_shards()
         flag = torch.zeros(1, dtype=torch.float32, device=self.device)
         total, _ = ops.l2norm([b.state.grad for b in self._buckets], found_inf=flag)
         result = torch.cat([total.square().reshape(1), flag])
@@ -537,46 +414,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def param_sync(self) -> None:
         """Finishes every deferred param all-gather (overlap_param_sync)."""
-        self._gather_through(0)
-
-    def _gather_through(self, last: int) -> None:
-        """Launches pending all-gathers in descending bucket order (the forward order: buckets follow
-        the backward order) down to bucket `last`, plus one prefetch, then finishes those <= needed."""
-        pending = self._pending_gather
-        if not pending:
-            return
-        launch_down_to = max(last - 1, 0)
-        for index in sorted(pending, reverse=True):
-            b = self._buckets[index]
-            if index >= launch_down_to and not b.gathering:
-                b.launch_gather(self.comm)
-        for index in sorted(pending, reverse=True):
-            if index < last:
-                break
-            self._buckets[index].finish_gather(self.comm, self._params, self._gather_skip_if)
-            pending.remove(index)
-
-    def _register_forward_hooks(self) -> None:
-        """overlap_param_sync: one global forward pre-hook (torch's public API; no model needed and no
-        patching of Parameter) waits, before any module that owns our params runs, for their buckets."""
-        first_bucket = {p: min(piece.bucket for piece in self._layout.param_pieces[i])
-                        for i, p in enumerate(self._params)}
-        this = weakref.ref(self)
-
-        def pre_hook(module: nn.Module, args) -> None:
-            opt = this()
-            if opt is None or not opt._pending_gather:
-                return
-            needed = [first_bucket[p] for p in module.parameters(recurse=False) if p in first_bucket]
-            if needed and min(needed) <= max(opt._pending_gather):
-                opt.comm.event("forward_wait", min(needed))
-                opt._gather_through(min(needed))
-
-        self._forward_hooks.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
-
-    def __del__(self) -> None:
-        for handle in getattr(self, "_forward_hooks", ()):
-            handle.remove()
+        if self._param_sync is not None:
+            self._param_sync.finish()
 
     # ------------------------------------------------------------------ reporting
 

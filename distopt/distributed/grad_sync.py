@@ -1,0 +1,172 @@
+"""Gradient synchronisation: from backward's hooks into the buckets and through the reduce-scatters.
+
+Every param has a post-accumulate-grad hook that moves its fresh ``.grad`` into its bucket(s) and
+frees it. Until the layout exists (the first backward) the hooks only record the order in which
+grads arrive, which the layout then follows.
+
+A synchronising backward (outside ``no_sync()``, with overlap on) is one *round*: buckets start their
+reduce-scatter in index order as soon as all their params have delivered, and the round is closed
+when backward ends (an autograd end-of-backward callback, as DDP uses) by starting the rest, with
+zeros for params that got no grad. Every rank therefore issues the same collectives in the same
+order, whatever its data. At most ``pipeline_size`` reductions are in flight; the oldest is waited
+for before another starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from .buckets import BucketRuntime, flat_like
+from .comm import Comm
+from .layout import Layout
+
+
+class GradSync:
+    def __init__(self, comm: Comm, params: list[Tensor], overlap: bool, pipeline_size: int,
+                 contiguous_grad_buffer: bool, average: bool) -> None:
+        self.comm = comm
+        self.params = params
+        self.index = {p: i for i, p in enumerate(params)}
+        self.overlap = overlap
+        self.pipeline_size = pipeline_size
+        self.contiguous = contiguous_grad_buffer
+        self.divide_by = comm.data_parallel_size if average else 1
+        self.layout: Layout | None = None
+        self.buckets: list[BucketRuntime] = []
+        self.arrival: list[int] = []  # first-backward order, recorded until the layout exists
+        self._arrived: set[int] = set()
+        self.version = 0  # bumped whenever a reduction lands in the grad shards
+        self.in_no_sync = False
+        self._next_launch = 0  # buckets launch strictly in index order on every rank
+        self._round_open = False  # a synchronising backward is running (its round not yet closed)
+        # Grads were accumulated outside a round (no_sync, overlap off, the first backward), so
+        # sync() must run one. Depends only on the program's structure, so every rank agrees.
+        self._needs_round = False
+        self._in_flight: list[BucketRuntime] = []
+        self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
+        """The layout is built: move the first backward's grads (still in .grad) into the buckets."""
+        self.layout, self.buckets = layout, buckets
+        for i in self.arrival:
+            if self.params[i].grad is not None:
+                self._accumulate(i, self.params[i], syncing=False)
+        self._needs_round = True
+
+    def set_arrival(self, order: list[int]) -> None:
+        self.arrival, self._arrived = list(order), set(order)
+
+    # ------------------------------------------------------------------ backward
+
+    def _hook(self, p: Tensor) -> None:
+        i = self.index[p]
+        if self.layout is None:
+            if i not in self._arrived:
+                self._arrived.add(i)
+                self.arrival.append(i)
+            return  # first backward: .grad stays until the layout is built
+        syncing = self.overlap and not self.in_no_sync
+        if syncing and not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._accumulate(i, p, syncing)
+        if not syncing:
+            self._needs_round = True
+            return
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready():
+            self._launch(self.buckets[self._next_launch])
+
+    def _end_of_backward(self) -> None:
+        """Closes the round: launches the buckets still waiting (missing grads count as zero)."""
+        self._round_open = False
+        self._launch_remaining()
+
+    def _accumulate(self, i: int, p: Tensor, syncing: bool) -> None:
+        """Moves p.grad into its bucket(s) and frees it (or leaves it a view of the bucket)."""
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
+        src = flat_like(grad.detach(), p)
+        was_view = i in self._grad_views
+        for piece in self.layout.param_pieces[i]:
+            bucket = self.buckets[piece.bucket]
+            if bucket.launched:  # still reducing the previous micro-batch: finish it first
+                self._in_flight.remove(bucket)
+                self._finish(bucket)
+            if was_view and src.data_ptr() != bucket.grad_view(piece).data_ptr():
+                bucket.written.discard(i)  # autograd replaced our view by view + new grad: copy the sum
+            bucket.accumulate(piece, src)
+            if syncing:
+                bucket.synced.add(i)
+        if self.contiguous and self.in_no_sync:
+            piece = self.layout.param_pieces[i][0]  # contiguous buffers never split a param
+            p.grad = self.buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
+            self._grad_views.add(i)
+        else:
+            p.grad = None
+            self._grad_views.discard(i)
+
+    # ------------------------------------------------------------------ reductions
+
+    def _launch(self, bucket: BucketRuntime) -> None:
+        while len(self._in_flight) >= self.pipeline_size:
+            self._finish(self._in_flight.pop(0))
+        for i in bucket.params:
+            if i in self._grad_views:  # the buffer is about to be reduced: no more in-place accumulation
+                self.params[i].grad = None
+                self._grad_views.discard(i)
+        bucket.launch_reduce_scatter(self.comm, self.divide_by)
+        self._in_flight.append(bucket)
+        self._next_launch += 1
+
+    def _launch_remaining(self) -> None:
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        self._next_launch = 0
+        self._needs_round = False
+
+    def _finish(self, bucket: BucketRuntime) -> None:
+        bucket.finish_reduce_scatter(self.comm)
+        self.version += 1
+
+    def sync(self) -> None:
+        """Starts the reduce-scatters backward did not (in bucket order) and waits for all."""
+        if self._needs_round:
+            self._launch_remaining()
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.in_no_sync = self.in_no_sync, True
+        try:
+            yield
+        finally:
+            self.in_no_sync = previous
+
+    def clear(self) -> None:
+        """Drops every gradient: in flight (finished first: collectives cannot be cancelled),
+        accumulated in buckets, reduced into shards, and in .grad."""
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+        for b in self.buckets:
+            b.end_window()
+            b.state.grad_valid = False
+        self._next_launch = 0
+        self._needs_round = False
+        self._grad_views.clear()
+        for p in self.params:
+            p.grad = None
+
+    def zero_stale_shards(self) -> None:
+        """Shards that received no reduction since the last step hold old data: zero them."""
+        for b in self.buckets:
+            if not b.state.grad_valid:
+                b.state.grad.zero_()
+                b.state.grad_valid = True
+                self.version += 1
