@@ -3,7 +3,7 @@ bit), under CUDA-graph capture and on non-default streams.
 
 Every test here needs a GPU (``pytest -m cuda``); conftest.py skips them cleanly without one, and
 nothing at module level touches CUDA, so the file imports on any machine. The helpers (random lists,
-layouts, comparisons) are the CPU tests' own, from test_ops.py.
+layouts, comparisons) are the CPU tests' own, from op_helpers.py.
 
 Why CPU and CUDA results can be compared bit for bit: both compile the same per-element fp32 math
 (csrc/math/adam.h), the CUDA build uses --fmad=false (no fused multiply-add contraction) with IEEE
@@ -20,7 +20,7 @@ import torch
 
 from distopt import ops, reference
 
-from test_ops import (
+from op_helpers import (
     BF16,
     BIG_SIZES,
     CAPTURABLE_CASES,
@@ -41,12 +41,14 @@ from test_ops import (
     assert_adam_bits_equal,
     assert_adam_close,
     assert_bits_equal,
+    assert_each_bits_equal,
     assert_guards_intact,
     assert_param_outs_are_casts,
     assert_params_moved,
     assert_unchanged,
     capturable_steps,
     check_adam_against_reference,
+    check_capturable_against_eager_and_reference,
     check_l2norm_against_reference,
     copy_to,
     dtype_id,
@@ -58,6 +60,7 @@ from test_ops import (
     run_adam_capturable,
     run_eager_per_step,
     run_reference_adam,
+    run_reference_adam_capturable,
     scalar,
     snapshot,
 )
@@ -207,9 +210,7 @@ def test_adam_cuda_param_out_aliasing_param():
     aliased.param_outs = list(aliased.params)
     run_adam(state, step=5)
     run_adam(aliased, step=5)
-    for name in ("params", "exp_avgs", "exp_avg_sqs"):
-        for i, (a, e) in enumerate(zip(getattr(aliased, name), getattr(state, name))):
-            assert_bits_equal(a, e, f"{name}[{i}]")
+    assert_adam_bits_equal(aliased, state, ("params", "exp_avgs", "exp_avg_sqs"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,30 +229,14 @@ def test_adam_capturable_cuda_matches_eager(param_dtype, grad_dtype, out_dtype, 
     probability ~2^-28, so bit-identical results are expected.
     """
     state = make_adam_state(CAPTURABLE_SIZES, param_dtype, grad_dtype, out_dtype, remainders=remainders, device=CUDA)
-    lr, steps = scalar(3e-3, CUDA), capturable_steps(CUDA)
-    kw = dict(grad_scale=scalar(GRAD_SCALE, CUDA), adam_w_mode=adam_w_mode, weight_decay=weight_decay)
-    eager, expected, before = state.clone(), state.clone(), state.clone()
-    inputs = snapshot({"lr": lr, "steps": steps})
-
-    run_adam_capturable(state, lr=lr, steps=steps, **kw)
-    run_eager_per_step(eager, lr=lr, steps=steps, **kw)
-    reference.adam_step_capturable_(
-        *expected.lists(), lr, HYPER["beta1"], HYPER["beta2"], HYPER["eps"], kw["weight_decay"], steps,
-        adam_w_mode, kw["grad_scale"], None,
-    )  # fmt: skip
-
-    assert_adam_bits_equal(state, eager)
-    assert_adam_close(state, expected)
-    assert_params_moved(before, state)
-    assert_unchanged(inputs)
-
-
-def run_reference_adam_capturable(state: AdamState, *, lr, steps, grad_scale=None, found_inf=None) -> None:
-    """``reference.adam_step_capturable_`` with the HYPER hyperparameters."""
-    reference.adam_step_capturable_(
-        *state.lists(), lr, HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], steps,
-        HYPER["adam_w_mode"], grad_scale, found_inf,
-    )  # fmt: skip
+    check_capturable_against_eager_and_reference(
+        state,
+        lr=scalar(3e-3, CUDA),
+        steps=capturable_steps(CUDA),
+        grad_scale=scalar(GRAD_SCALE, CUDA),
+        adam_w_mode=adam_w_mode,
+        weight_decay=weight_decay,
+    )
 
 
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master-bf16_out", "bf16_remainders"])
@@ -441,8 +426,7 @@ def test_scale_cuda_in_place_and_many_tensors():
     gpu = to_cuda(cpu)
     ops.scale_(cpu, cpu, scalar(GRAD_SCALE))
     ops.scale_(gpu, gpu, scalar(GRAD_SCALE, CUDA))
-    for i, (g, c) in enumerate(zip(gpu, cpu)):
-        assert_bits_equal(g, c, f"[{i}]")
+    assert_each_bits_equal(gpu, cpu, "")
 
 
 @pytest.mark.parametrize(
@@ -517,8 +501,8 @@ def test_ops_run_on_current_stream(op):
         torch.testing.assert_close(per_tensor[[0, 2]].cpu(), ref_per.cpu(), rtol=NORM_RTOL, atol=0)
     elif op == "scale_":
         assert found_inf.item() == 1.0
-        for i, (y, x) in enumerate(zip(outputs, new_grads)):
-            assert_bits_equal(y, (x * torch.tensor(GRAD_SCALE, device=CUDA)).to(BF16), f"outputs[{i}]")
+        assert_each_bits_equal(
+            outputs, [(x * torch.tensor(GRAD_SCALE, device=CUDA)).to(BF16) for x in new_grads], "outputs"
+        )
     else:
-        for i, (y, x) in enumerate(zip(outputs, new_grads)):
-            assert_bits_equal(y, x.to(BF16), f"outputs[{i}]")
+        assert_each_bits_equal(outputs, [x.to(BF16) for x in new_grads], "outputs")

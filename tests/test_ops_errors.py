@@ -1,0 +1,294 @@
+"""CPU tests of the fused ops' registration and argument checking: the kernels under test are the
+compiled ones, every invalid argument raises a clear error before anything is written, and
+``torch.library.opcheck`` finds the schemas truthful. Helpers: op_helpers.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from distopt import ops
+
+from op_helpers import (
+    BF16,
+    CL_SHAPES,
+    FP16,
+    FP32,
+    HYPER,
+    INT16,
+    OP_NAMES,
+    assert_unchanged,
+    kernel_registration,
+    make_adam_state,
+    randn_list,
+    run_adam,
+    scalar,
+    snapshot,
+)
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The kernels under test are the compiled ones
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_cpu_kernel_is_compiled(op):
+    """The CPU kernels come from distopt._C, not the reference fallback (which would make every
+    CPU comparison in the op tests the oracle against itself)."""
+    assert ops.HAS_EXTENSION, ops._IMPORT_ERROR
+    where = kernel_registration(op, "CPU")
+    assert "registration.cpp" in where, where
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input: a clear error before anything is written
+# ----------------------------------------------------------------------------------------------------
+
+
+def valid_adam_call() -> dict:
+    """kwargs of a valid ops.adam_step_ call (fp32 params, bf16 param_outs, grad_scale, found_inf = 0)."""
+    s = make_adam_state([5, 3], FP32, FP32, BF16)
+    return dict(
+        params=s.params, grads=s.grads, exp_avgs=s.exp_avgs, exp_avg_sqs=s.exp_avg_sqs,
+        param_outs=s.param_outs, param_remainders=[], step=3, grad_scale=scalar(0.5), found_inf=scalar(0.0),
+        **HYPER,
+    )  # fmt: skip
+
+
+def _bf16_remainder_call() -> dict:
+    s = make_adam_state([5, 3], BF16, FP32, remainders=True)
+    c = valid_adam_call()
+    c.update(params=s.params, param_remainders=s.param_remainders, param_outs=[])
+    return c
+
+
+def _param_out_alias_case(c: dict) -> dict:
+    """bf16 params whose param_outs are the same memory viewed as fp16."""
+    s = make_adam_state([5, 3], BF16, FP32)
+    return {**c, "params": s.params, "param_outs": [p.view(FP16) for p in s.params]}
+
+
+def _replace(key: str, index: int, fn) -> Callable[[dict], dict]:
+    """A case that replaces c[key][index] with fn(old)."""
+
+    def mutate(c: dict) -> dict:
+        lst = list(c[key])
+        lst[index] = fn(lst[index])
+        return {**c, key: lst}
+
+    return mutate
+
+
+BAD_ADAM_CALLS = [
+    # (id, mutation of valid_adam_call(), exception, message regex)
+    ("grads_too_short", lambda c: {**c, "grads": c["grads"][:1]}, ValueError, "grads: expected 2 tensors, got 1"),
+    ("exp_avgs_too_long", lambda c: {**c, "exp_avgs": c["exp_avgs"] + [torch.zeros(2)]}, ValueError, "exp_avgs"),
+    ("exp_avg_sqs_too_short", lambda c: {**c, "exp_avg_sqs": c["exp_avg_sqs"][:1]}, ValueError, "exp_avg_sqs"),
+    ("param_outs_too_short", lambda c: {**c, "param_outs": c["param_outs"][:1]}, ValueError, "param_outs"),
+    ("params_mixed_dtypes", _replace("params", 1, lambda t: t.half()), TypeError, r"params\[1\]: dtype"),
+    ("grads_mixed_dtypes", _replace("grads", 1, lambda t: t.bfloat16()), TypeError, r"grads\[1\]: dtype"),
+    ("param_outs_mixed_dtypes", _replace("param_outs", 1, lambda t: t.half()), TypeError, r"param_outs\[1\]"),
+    ("exp_avg_fp16", lambda c: {**c, "exp_avgs": [t.half() for t in c["exp_avgs"]]}, TypeError,
+     "exp_avgs: expected fp32"),
+    ("exp_avg_sq_bf16", lambda c: {**c, "exp_avg_sqs": [t.bfloat16() for t in c["exp_avg_sqs"]]}, TypeError,
+     "exp_avg_sqs: expected fp32"),
+    ("remainders_with_fp32_params",
+     lambda c: {**c, "param_remainders": [torch.ones_like(p, dtype=INT16) for p in c["params"]]}, TypeError,
+     "param_remainders pair with bfloat16"),
+    ("remainders_not_int16",
+     lambda c: {**_bf16_remainder_call(), "param_remainders": [torch.ones(5, dtype=FP16), torch.ones(3, dtype=FP16)]},
+     TypeError, "param_remainders: expected int16"),
+    ("grad_scale_fp64", lambda c: {**c, "grad_scale": scalar(0.5, dtype=torch.float64)}, TypeError,
+     "grad_scale: expected a float32"),
+    ("grad_scale_two_elements", lambda c: {**c, "grad_scale": torch.tensor([0.5, 0.5])}, ValueError,
+     "grad_scale: expected one element"),
+    ("found_inf_fp16", lambda c: {**c, "found_inf": scalar(0.0, dtype=FP16)}, TypeError, "found_inf"),
+    ("negative_lr", lambda c: {**c, "lr": -1e-3}, ValueError, "lr must be >= 0"),
+    ("beta1_is_1", lambda c: {**c, "beta1": 1.0}, ValueError, r"betas must be in \[0, 1\)"),
+    ("beta1_negative", lambda c: {**c, "beta1": -0.1}, ValueError, r"betas must be in \[0, 1\)"),
+    ("beta2_above_1", lambda c: {**c, "beta2": 1.5}, ValueError, r"betas must be in \[0, 1\)"),
+    ("step_0", lambda c: {**c, "step": 0}, ValueError, "step"),
+    ("negative_eps", lambda c: {**c, "eps": -1e-8}, ValueError, "eps"),
+    ("negative_weight_decay", lambda c: {**c, "weight_decay": -0.1}, ValueError, "weight_decay"),
+    ("grad_shape_mismatch", _replace("grads", 1, lambda t: torch.randn(4)), ValueError, r"grads\[1\]: shape"),
+    ("grad_same_numel_other_shape", _replace("grads", 0, lambda t: torch.randn(1, 5)), ValueError, "shape"),
+    ("exp_avg_aliases_param", lambda c: {**c, "exp_avgs": [c["params"][0], c["exp_avgs"][1]]}, ValueError, "alias"),
+    ("param_out_aliases_param_as_other_dtype", _param_out_alias_case, ValueError, "aliases"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_ADAM_CALLS])
+def test_adam_bad_input_raises_before_writing(mutate, exc, match):
+    """Invalid arguments raise a clear error and leave every tensor untouched."""
+    call = mutate(valid_adam_call())
+    snap = snapshot(call)
+    with pytest.raises(exc, match=match):
+        ops.adam_step_(**call)
+    assert_unchanged(snap)
+
+
+def valid_capturable_call() -> dict:
+    c = valid_adam_call()
+    del c["step"], c["lr"]
+    return {**c, "lr": scalar(1e-3), "steps": [scalar(2.0), scalar(3.0)]}
+
+
+BAD_CAPTURABLE_CALLS = [
+    ("lr_fp64", lambda c: {**c, "lr": scalar(1e-3, dtype=torch.float64)}, TypeError, "lr: expected a float32"),
+    ("lr_two_elements", lambda c: {**c, "lr": torch.tensor([1e-3, 1e-3])}, ValueError, "lr: expected one element"),
+    ("steps_too_short", lambda c: {**c, "steps": c["steps"][:1]}, ValueError, "steps"),
+    ("step_int64", _replace("steps", 1, lambda t: torch.tensor([3])), TypeError, "steps"),
+    ("step_two_elements", _replace("steps", 0, lambda t: torch.tensor([2.0, 2.0])), ValueError, "steps"),
+    ("beta2_is_1", lambda c: {**c, "beta2": 1.0}, ValueError, "betas"),
+    ("grads_mixed_dtypes", _replace("grads", 0, lambda t: t.half()), TypeError, "grads"),
+    ("exp_avg_fp16", lambda c: {**c, "exp_avgs": [t.half() for t in c["exp_avgs"]]}, TypeError, "exp_avgs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_CAPTURABLE_CALLS])
+def test_adam_capturable_bad_input_raises_before_writing(mutate, exc, match):
+    """Invalid arguments of the capturable op raise a clear error and leave every tensor untouched."""
+    call = mutate(valid_capturable_call())
+    snap = snapshot(call)
+    with pytest.raises(exc, match=match):
+        ops.adam_step_capturable_(**call)
+    assert_unchanged(snap)
+
+
+@pytest.mark.parametrize("list_name", ["grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remainders"])
+def test_adam_mismatched_strides_raise_before_writing(list_name):
+    """channels_last params with one contiguous partner list: ValueError, nothing written."""
+    state = make_adam_state(CL_SHAPES[:2], BF16, FP32, FP16, remainders=True, layout="channels_last")
+    lst = getattr(state, list_name)
+    lst[1] = lst[1].contiguous()
+    snap = snapshot(state)
+    with pytest.raises(ValueError, match="same strides"):
+        run_adam(state, step=1)
+    assert_unchanged(snap)
+
+
+def test_adam_transposed_partner_raises():
+    """A partner with the same shape but transposed (non-dense-order) strides is refused."""
+    state = make_adam_state([(6, 4)], FP32, FP32)
+    state.grads[0] = torch.randn(4, 6).t()
+    snap = snapshot(state)
+    with pytest.raises(ValueError, match=r"grads\[0\]"):
+        run_adam(state, step=1)
+    assert_unchanged(snap)
+
+
+def _scale_call() -> dict:
+    return dict(inputs=randn_list([5, 3], FP32), outputs=randn_list([5, 3], BF16), scale=scalar(0.5),
+                found_inf=scalar(0.0))  # fmt: skip
+
+
+BAD_SCALE_CALLS = [
+    ("outputs_too_short", lambda c: {**c, "outputs": c["outputs"][:1]}, ValueError, "outputs: expected 2"),
+    ("outputs_mixed_dtypes", _replace("outputs", 1, lambda t: t.half()), TypeError, r"outputs\[1\]"),
+    ("inputs_int32", lambda c: {**c, "inputs": [t.int() for t in c["inputs"]]}, TypeError, "inputs"),
+    ("scale_fp64", lambda c: {**c, "scale": scalar(0.5, dtype=torch.float64)}, TypeError, "scale"),
+    ("scale_two_elements", lambda c: {**c, "scale": torch.tensor([0.5, 0.5])}, ValueError, "scale"),
+    ("found_inf_two_elements", lambda c: {**c, "found_inf": torch.zeros(2)}, ValueError, "found_inf"),
+    ("shape_mismatch", _replace("outputs", 0, lambda t: torch.randn(6, dtype=BF16)), ValueError, "shape"),
+    ("stride_mismatch",
+     lambda c: {**c, "inputs": randn_list(CL_SHAPES[:1], FP32, layout="channels_last"),
+                "outputs": randn_list(CL_SHAPES[:1], BF16)},
+     ValueError, "same strides"),
+    ("partial_overlap",
+     lambda c: (lambda buf: {**c, "inputs": [buf[:5], c["inputs"][1]], "outputs": [buf[2:7], c["outputs"][1].float()]})(
+         torch.randn(8)),
+     ValueError, "partially overlaps"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_SCALE_CALLS])
+def test_scale_bad_input_raises_before_writing(mutate, exc, match):
+    """Invalid scale_ arguments raise a clear error and leave every tensor untouched."""
+    call = mutate(_scale_call())
+    snap = snapshot(call)
+    with pytest.raises(exc, match=match):
+        ops.scale_(**call)
+    assert_unchanged(snap)
+
+
+BAD_CAST_CALLS = [
+    ("outputs_too_long", lambda c: {**c, "outputs": c["outputs"] + [torch.zeros(1)]}, ValueError, "outputs"),
+    ("skip_if_fp64", lambda c: {**c, "skip_if": scalar(0.0, dtype=torch.float64)}, TypeError, "skip_if"),
+    ("skip_if_two_elements", lambda c: {**c, "skip_if": torch.zeros(2)}, ValueError, "skip_if"),
+    ("outputs_mixed_dtypes", _replace("outputs", 0, lambda t: t.float()), TypeError, r"outputs\[1\]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_CAST_CALLS])
+def test_cast_copy_bad_input_raises_before_writing(mutate, exc, match):
+    """Invalid cast_copy_ arguments raise a clear error and leave every tensor untouched."""
+    c = _scale_call()
+    call = mutate(dict(inputs=c["inputs"], outputs=c["outputs"], skip_if=scalar(0.0)))
+    snap = snapshot(call)
+    with pytest.raises(exc, match=match):
+        ops.cast_copy_(**call)
+    assert_unchanged(snap)
+
+
+BAD_L2NORM_CALLS = [
+    ("mixed_dtypes", lambda: ([torch.randn(3), torch.randn(2, dtype=FP16)], None), TypeError, r"tensors\[1\]"),
+    ("int64", lambda: ([torch.arange(3)], None), TypeError, "tensors"),
+    ("found_inf_two_elements", lambda: ([torch.randn(3)], torch.zeros(2)), ValueError, "found_inf"),
+    ("found_inf_fp16", lambda: ([torch.randn(3)], torch.zeros(1, dtype=FP16)), TypeError, "found_inf"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_L2NORM_CALLS])
+def test_l2norm_bad_input_raises(make, exc, match):
+    """Invalid l2norm arguments raise a clear error and leave the flag untouched."""
+    tensors, found_inf = make()
+    snap = snapshot(tensors, found_inf)
+    with pytest.raises(exc, match=match):
+        ops.l2norm(tensors, found_inf)
+    assert_unchanged(snap)
+
+
+def test_l2norm_empty_list_raises():
+    with pytest.raises(ValueError, match="at least one tensor"):
+        ops.l2norm([])
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library.opcheck
+# ----------------------------------------------------------------------------------------------------
+
+
+def _opcheck_adam(remainders: bool, out_dtype):
+    s = make_adam_state([5, 3], BF16 if remainders else FP32, FP16, out_dtype, remainders=remainders)
+    return (*s.lists(), 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, scalar(0.5), scalar(0.0))
+
+
+def _opcheck_capturable():
+    s = make_adam_state([5, 3], FP32, BF16, FP16)
+    lr, steps = scalar(1e-3), [scalar(2.0), scalar(4.0)]
+    return (*s.lists(), lr, 0.9, 0.999, 1e-8, 0.1, steps, False, scalar(0.5), scalar(0.0))
+
+
+OPCHECK_CASES = {
+    "adam_step_": lambda: _opcheck_adam(False, BF16),
+    "adam_step_-no_param_outs": lambda: _opcheck_adam(False, None),
+    "adam_step_-remainders": lambda: _opcheck_adam(True, FP32),
+    "adam_step_capturable_": _opcheck_capturable,
+    "l2norm": lambda: (randn_list([5, 3], BF16), scalar(0.0)),
+    "l2norm-no_flag": lambda: (randn_list([5, 3], FP32), None),
+    "scale_": lambda: (randn_list([5, 3], FP16), randn_list([5, 3], FP32), scalar(0.5), scalar(0.0)),
+    "cast_copy_": lambda: (randn_list([5, 3], FP32), randn_list([5, 3], BF16), scalar(0.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(OPCHECK_CASES))
+def test_opcheck(case):
+    """Schemas tell the truth about mutation, fake kernels and AOT dispatch work (default test_utils)."""
+    op = getattr(torch.ops.distopt, case.split("-")[0])
+    torch.library.opcheck(op, OPCHECK_CASES[case]())
