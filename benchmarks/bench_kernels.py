@@ -37,10 +37,14 @@ from common import (
     TimingConfig,
     copy_bandwidth,
     gbps,
+    kernels_in_use,
     plot_bandwidth,
     run_metadata,
     size_label,
+    table_header,
+    table_row,
     time_fn,
+    torch_adamw,
     write_json,
 )
 
@@ -194,20 +198,13 @@ def distopt_update(s: State, grad_scale: Tensor | None = None, found_inf: Tensor
     )  # fmt: skip
 
 
-def torch_adamw(params: list[Tensor], s: State) -> tuple[torch.optim.AdamW, bool, str]:
-    """torch's AdamW over ``params`` (grads set) whose state is the moments of ``s`` (used in place,
-    not copied) and whose next step is number STEP. Fused when torch supports it here, else foreach.
-    Returns (optimizer, fused, note)."""
-    device = params[0].device
-    try:
-        opt = torch.optim.AdamW(params, LR, (BETA1, BETA2), EPS, WEIGHT_DECAY, fused=True)
-        fused, note = True, "AdamW(fused=True)"
-    except RuntimeError as exc:
-        opt = torch.optim.AdamW(params, LR, (BETA1, BETA2), EPS, WEIGHT_DECAY, foreach=True)
-        fused, note = False, f"AdamW(foreach=True): fused unavailable on {device.type} ({exc})"
+def resumed_torch_adamw(params: list[Tensor], s: State) -> tuple[torch.optim.AdamW, bool, str]:
+    """torch's AdamW (common.torch_adamw) over ``params`` (grads set) whose state is the moments of ``s``
+    (used in place, not copied) and whose next step is number STEP. Returns (optimizer, fused, note)."""
+    opt, fused, note = torch_adamw(params, LR, (BETA1, BETA2), EPS, WEIGHT_DECAY)
     for p, m, v in zip(params, s.exp_avgs, s.exp_avg_sqs, strict=True):
         # Fused kernels read the step count from the param's device, foreach ones from the host.
-        step = torch.tensor(float(STEP - 1), device=device if fused else "cpu")
+        step = torch.tensor(float(STEP - 1), device=p.device if fused else "cpu")
         opt.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
     return opt, fused, note
 
@@ -250,7 +247,7 @@ def make_pipeline(mix: Mix, sizes: Sequence[int], device: torch.device) -> Pipel
     t_grads = [g if g.dtype == torch.float32 else g.float() for g in t.grads]  # the master grads
     for p, g in zip(masters, t_grads, strict=True):
         p.grad = g
-    opt, fused, note = torch_adamw(masters, t)
+    opt, fused, note = resumed_torch_adamw(masters, t)
     if fused:
         opt.found_inf = t_inf  # what GradScaler.step passes after unscale_: a skip without a host sync
     else:
@@ -312,7 +309,7 @@ class Bench:
         self.device, self.timing, self.copy_gbps = device, timing, copy_gbps
         self.rows: list[Row] = []
         self.failures: list[str] = []
-        print(_header())
+        print(table_header(_COLUMNS))
 
     def measure(
         self,
@@ -354,7 +351,7 @@ class Bench:
         s = make_state(sizes, mix, self.device)
         t = s.clone()
         masters = torch_masters(t)
-        opt, _, note = torch_adamw(masters, t)
+        opt, _, note = resumed_torch_adamw(masters, t)
 
         def check() -> None:
             distopt_update(s)
@@ -415,18 +412,13 @@ _COLUMNS = (
 )  # fmt: skip
 
 
-def _header() -> str:
-    names = [f"{name:<{width}}" for name, width in _COLUMNS]
-    return " ".join(names) + "\n" + "-" * (sum(w for _, w in _COLUMNS) + len(_COLUMNS) - 1)
-
-
 def _format(row: Row) -> str:
     speedup = f"{row.speedup:.2f}x" if row.speedup is not None else ""
     cells = (
         row.kernel, row.impl, row.dtypes, row.layout, size_label(row.numel), str(row.tensors), f"{row.ms:.4g}",
         f"{row.ms_p10:.4g}-{row.ms_p90:.4g}", f"{row.gbps:.1f}", f"{row.pct_copy_bw:.0f}", speedup,
     )  # fmt: skip
-    return " ".join(f"{cell:<{width}}" for cell, (_, width) in zip(cells, _COLUMNS, strict=True))
+    return table_row(cells, _COLUMNS)
 
 
 def parse_size(text: str) -> int:
@@ -457,25 +449,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def kernels_in_use(device: torch.device) -> str:
-    """'compiled' if distopt._C has kernels for the device, else 'reference' (the pure-torch fallback)."""
-    compiled = all(ops.has_kernel(op, device.type) for op in ("adam_step_", "l2norm"))
-    return "compiled" if compiled else "reference"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device visible", file=sys.stderr)
+    kernels = kernels_in_use(device, ("adam_step_", "l2norm"))
+    if kernels is None:
         return 2
-    kernels = kernels_in_use(device)
-    if kernels != "compiled":
-        message = f"distopt._C has no {device.type} kernels: the pure-PyTorch reference ops would be timed"
-        if device.type == "cuda":
-            print(f"error: {message}; build the extension first", file=sys.stderr)
-            return 2
-        print(f"warning: {message}")
     sizes = args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     timing = QUICK_TIMING if args.quick else TIMING[device.type]
     if device.type == "cpu":

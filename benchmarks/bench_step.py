@@ -4,47 +4,17 @@ torch's AdamW, each with what it needs to train data-parallel, on the same model
     python benchmarks/bench_step.py --device cuda --world-size 1 --out DIR
     python benchmarks/bench_step.py --device cpu --world-size 2 --out DIR [--quick]
 
-The model is a small GPT (token + position embeddings, pre-LayerNorm blocks of causal attention and a
-4x MLP, an untied LM head; per block 2 LayerNorms, QKV, projection and 2 MLP matrices, all with biases
-but QKV, whose key bias gets only rounding noise as a gradient, which Adam would amplify): 98.0M
-params in 137 tensors on CUDA, 1.32M on CPU, 167K with --quick. It is trained in bf16 (--dtype; fp32
-also works) with fp32 optimizer state and fp32 master weights, the usual mixed-precision recipe:
-  DDP + AdamW           DDP (default settings) + torch.optim.AdamW(fused=True; foreach where torch has
-                        no fused kernel: the row says which) over fp32 master copies of the 16-bit
-                        params. Its step casts the grads into a transient fp32 buffer
-                        (_foreach_copy_), steps, and copies the masters into the model
-                        (_foreach_copy_). The reference for the correctness check.
-  DDP + FusedAdam       DDP + distopt.FusedAdam(master_weights=True): one fused pass updates the
-                        masters and writes the 16-bit params.
-  DistributedFusedAdam  no DDP: grads are reduce-scattered in bf16 from backward hooks (default
-                        options: bucket_cap_mb=100, store_params=True, grad/param sync in the param
-                        dtype); its step finishes the grad sync, updates this rank's shard and
-                        all-gathers the params.
-  ... overlap_param_sync   the same with overlap_param_sync=True: step() leaves the all-gather to the
-                        next forward's pre-hooks, so the step row excludes it and the iteration row
-                        includes it.
-With --dtype fp32 the params are their own masters (AdamW and FusedAdam use none, DistributedFusedAdam
-gets store_params=False). All start from the same init and see the same batches (one per rank).
+The contenders (DDP + AdamW over fp32 masters, DDP + FusedAdam, DistributedFusedAdam with and without
+overlap_param_sync) train examples/model.py's TinyGPT without attention projection biases (98.0M params
+on CUDA, 1.32M on CPU, 167K with --quick) in bf16 (--dtype) from the same init on the same batches.
+First each trains 2 steps in fp32 and in the run dtype, and its params must match DDP + AdamW's (see
+agreement()): else nothing is timed, results_step.json lists the failures and the script exits 1.
+Then, on rank 0: the step alone (common.time_fn, after an untimed forward and backward), whole
+iterations, the optimizer state per rank and, on CUDA, the peak memory allocated.
 
-Measured per optimizer, on rank 0 (every rank runs the same; gloo ranks are forked processes, one
-torch thread each; on CUDA one rank in-process with NCCL):
-  step      opt.step() alone after a backward (zero_grad + forward + backward untimed before each
-            run): common.time_fn, so CUDA events with L2 flushed before each run (the step's host
-            work may overlap the end of the backward, as in training) or perf_counter on CPU.
-  iter      zero_grad + forward + backward + step, perf_counter around a device synchronize.
-  state     persistent optimizer bytes per rank: DistributedFusedAdam.memory_report()["total"] (shards
-            of masters, moments and the fp32 grad shard); for FusedAdam the tensors in
-            optimizer.state; for AdamW those plus its fp32 masters.
-  peak      CUDA only: torch.cuda.max_memory_allocated over the timed iterations, minus what was
-            allocated before this optimizer's model was built (model, grads, activations, state).
-Median with p10/p90 over a fixed number of runs after warm-up (fixed so that every rank runs the same
-collectives). Before any timing, each optimizer trains 2 steps from the same init on the same data
-in fp32 and in the run dtype; its params must match DDP + AdamW's (fp32: rtol 1e-4; 16-bit: one
-rounding step; at most 1e-5 of the elements may be off by up to the two runs' Adam updates, see
-Agreement.failure), else nothing is timed, results_step.json lists the failures and the script exits 1.
-
-Prints a table; writes results_step.json and results_step.png to --out. The issue's target (a
-benchmark, not a test): at world size 1, DistributedFusedAdam's step <= 1.1x FusedAdam's.
+Prints a table; writes results_step.json and results_step.png to --out. benchmarks/README.md says
+what is measured and how. The issue's target: at world size 1, DistributedFusedAdam's step <= 1.1x
+FusedAdam's.
 """
 
 from __future__ import annotations
@@ -70,9 +40,25 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distopt
-from distopt import ops
 
-from common import REPO_ROOT, TimingConfig, flush_l2, run_metadata, summarize, time_fn, write_json
+from common import (
+    REPO_ROOT,
+    TimingConfig,
+    flush_l2,
+    kernels_in_use,
+    plot_bars,
+    run_metadata,
+    summarize,
+    sync,
+    table_header,
+    table_row,
+    time_fn,
+    torch_adamw,
+    write_json,
+)
+
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+from model import TinyGPT  # noqa: E402  (examples/model.py)
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 TARGET_RATIO = 1.1  # the issue's target: DistributedFusedAdam's step <= 1.1x FusedAdam's at world size 1
@@ -85,7 +71,7 @@ TOLERANCE = {
     torch.float32: dict(rtol=1e-4, atol=1e-5),
     torch.bfloat16: dict(rtol=2**-7, atol=1e-4),
 }
-MAX_OUTLIER_FRACTION = 1e-5  # of all elements may be outside TOLERANCE (see Agreement.failure) ...
+MAX_OUTLIER_FRACTION = 1e-5  # of all elements may be outside TOLERANCE (see agreement()) ...
 OUTLIER_ATOL = 1.25 * 2 * VERIFY_STEPS * LR  # ... by at most what two runs' Adam updates can differ
 
 
@@ -180,42 +166,10 @@ class Row:
 # ------------------------------------------------------------------------------------------ model
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def initial_model(cfg: ModelConfig) -> GPT:
+def initial_model(cfg: ModelConfig) -> TinyGPT:
     """The shared init (fp32, CPU, seeded): GPT-2's N(0, 0.02) weights, zero biases, unit LayerNorms."""
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = TinyGPT(cfg.vocab, cfg.d_model, cfg.heads, cfg.layers, cfg.seq, attn_bias=False)
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             nn.init.zeros_(p)
@@ -238,7 +192,9 @@ def make_batches(cfg: ModelConfig, rank: int, count: int, device: torch.device) 
 
 
 class MasterAdamW:
-    """torch.optim.AdamW over fp32 masters of 16-bit params (over the params themselves in fp32)."""
+    """torch.optim.AdamW over fp32 masters of 16-bit params (over the params themselves in fp32). Its
+    step casts the grads into a transient fp32 buffer, steps, and copies the masters into the params
+    (_foreach_copy_ both ways)."""
 
     def __init__(self, params: list[Tensor]) -> None:
         self.params = params
@@ -248,13 +204,7 @@ class MasterAdamW:
             self.master_flat = torch.cat([p.detach().float().reshape(-1) for p in params])
             self.masters = list(self.master_flat.split(self.numels))
             self.param_views = [p.detach().view(-1) for p in params]
-        opt_params = self.masters if self.mixed else params
-        try:
-            self.opt = torch.optim.AdamW(opt_params, LR, BETAS, EPS, WEIGHT_DECAY, fused=True)
-            self.kind = "AdamW(fused=True)"
-        except RuntimeError as exc:
-            self.opt = torch.optim.AdamW(opt_params, LR, BETAS, EPS, WEIGHT_DECAY, foreach=True)
-            self.kind = f"AdamW(foreach=True): no fused kernel on {params[0].device.type} ({exc})"
+        self.opt, _, self.kind = torch_adamw(self.masters if self.mixed else params, LR, BETAS, EPS, WEIGHT_DECAY)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -275,23 +225,18 @@ class MasterAdamW:
             m.grad = None
 
     def state_bytes(self) -> int:
-        return _state_tensor_bytes(self.opt) + (_nbytes(self.master_flat) if self.mixed else 0)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+        return _state_tensor_bytes(self.opt) + (self.master_flat.nbytes if self.mixed else 0)
 
 
 def _state_tensor_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(_nbytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, Tensor))
+    return sum(v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, Tensor))
 
 
 @dataclass
 class Trainer:
     """One contender: its model copy, the module called in forward (DDP-wrapped or not), its optimizer."""
 
-    contender: Contender
-    module: GPT
+    module: TinyGPT
     model: nn.Module
     opt: Any
     config: str
@@ -320,24 +265,25 @@ class Trainer:
         return _state_tensor_bytes(self.opt), None
 
 
-def build(c: Contender, init: GPT, dtype: torch.dtype, device: torch.device) -> Trainer:
+def build(c: Contender, init: TinyGPT, dtype: torch.dtype, device: torch.device) -> Trainer:
     module = copy.deepcopy(init).to(device=device, dtype=dtype)
     params = list(module.parameters())
     mixed = dtype != torch.float32
-    ddp_kw = dict(device_ids=[device.index]) if device.type == "cuda" else {}
+    # DDP's defaults but for broadcast_buffers: the model's one buffer is its constant causal mask.
+    ddp_kw = dict(broadcast_buffers=False, device_ids=[device.index] if device.type == "cuda" else None)
     if c.optimizer == "AdamW":
         opt = MasterAdamW(params)
         config = f"DDP + {opt.kind}" + (" over fp32 masters" if mixed else "")
-        return Trainer(c, module, DistributedDataParallel(module, **ddp_kw), opt, config)
+        return Trainer(module, DistributedDataParallel(module, **ddp_kw), opt, config)
     if c.optimizer == "FusedAdam":
         opt = distopt.FusedAdam(params, LR, BETAS, EPS, WEIGHT_DECAY, master_weights=mixed)
         config = f"DDP + FusedAdam(master_weights={mixed})"
-        return Trainer(c, module, DistributedDataParallel(module, **ddp_kw), opt, config)
+        return Trainer(module, DistributedDataParallel(module, **ddp_kw), opt, config)
     opt = distopt.DistributedFusedAdam(
         params, LR, BETAS, EPS, WEIGHT_DECAY, overlap_param_sync=c.overlap_param_sync, store_params=mixed
     )
     config = f"overlap_param_sync={c.overlap_param_sync}, store_params={mixed}, bucket_cap_mb={opt.bucket_cap_mb:g}"
-    return Trainer(c, module, module, opt, config)
+    return Trainer(module, module, opt, config)
 
 
 def release(device: torch.device) -> None:
@@ -351,55 +297,34 @@ def release(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------ measurement
 
 
-@dataclass
-class Agreement:
-    """How one contender's params after VERIFY_STEPS steps compare with the reference's."""
+def agreement(params: Sequence[tuple[str, Tensor]], reference: Sequence[tuple[str, Tensor]], tol: dict) -> dict:
+    """Elementwise against the reference: the largest |difference|, the elements outside ``tol``
+    (outliers), those outside it by more than OUTLIER_ATOL (beyond_bound), the param with most outliers.
 
-    max_abs_diff: float = 0.0
-    outliers: int = 0  # elements outside TOLERANCE
-    beyond_bound: int = 0  # elements outside TOLERANCE widened by OUTLIER_ATOL: impossible for a correct run
-    worst_param: str = ""  # the param with the most outliers
-
-    def failure(self, numel: int) -> str | None:
-        """Why this is not a pass, or None. A few elements (MAX_OUTLIER_FRACTION) may be outside the
-        tolerance by up to OUTLIER_ATOL: Adam moves an element by at most about lr per step whatever
-        its gradient, so where the gradient is tiny (next to rounding noise) two correct runs can move
-        it differently. A real bug (a wrong lr or step count, a missed sync or gather) moves most."""
-        allowed = int(MAX_OUTLIER_FRACTION * numel)
-        if self.beyond_bound:
-            return (
-                f"{self.beyond_bound} elements differ by more than two runs' updates can "
-                f"(> {OUTLIER_ATOL:.3g} beyond the tolerance; most in {self.worst_param})"
-            )
-        if self.outliers > allowed:
-            return (
-                f"{self.outliers} of {numel} elements outside the tolerance (at most {allowed} allowed; "
-                f"most in {self.worst_param})"
-            )
-        return None
-
-
-def compare(params: Sequence[tuple[str, Tensor]], reference: Sequence[tuple[str, Tensor]], tol: dict) -> Agreement:
-    a = Agreement()
+    A pass has none beyond the bound and at most MAX_OUTLIER_FRACTION outliers: Adam moves an element by
+    about lr per step whatever its gradient, so where the gradient is tiny (next to rounding noise) two
+    correct runs can move it differently; a real bug (wrong lr or step count, missed sync) moves most."""
+    result = dict(max_abs_diff=0.0, outliers=0, beyond_bound=0, worst_param="")
     most = 0
     for (name, actual), (_, expected) in zip(params, reference):
         diff = (actual.float() - expected.float()).abs()
-        allowed = tol["atol"] + tol["rtol"] * expected.float().abs()
-        count = int((diff > allowed).sum())
-        a.max_abs_diff = max(a.max_abs_diff, diff.max().item())
-        a.outliers += count
-        a.beyond_bound += int((diff > allowed + OUTLIER_ATOL).sum())
-        if count > most:
-            most, a.worst_param = count, name
-    return a
+        excess = diff - (tol["atol"] + tol["rtol"] * expected.float().abs())
+        outliers = int((excess > 0).sum())
+        result["max_abs_diff"] = max(result["max_abs_diff"], diff.max().item())
+        result["outliers"] += outliers
+        result["beyond_bound"] += int((excess > OUTLIER_ATOL).sum())
+        if outliers > most:
+            most, result["worst_param"] = outliers, name
+    return result
 
 
-def verify(spec: Spec, rank: int, device: torch.device, init: GPT, log: Callable) -> tuple[list[str], dict]:
+def verify(spec: Spec, rank: int, device: torch.device, init: TinyGPT, log: Callable) -> tuple[list[str], dict]:
     """Trains every contender VERIFY_STEPS steps in fp32 and in the run dtype and compares its params
-    with DDP + AdamW's. Returns (failures, {dtype: {contender: Agreement as a dict}})."""
+    with DDP + AdamW's. Returns (failures, {dtype: {contender: agreement()}})."""
     batches = make_batches(spec.model, rank, VERIFY_STEPS, device)
-    dtypes = [torch.float32] + ([DTYPES[spec.dtype]] if DTYPES[spec.dtype] != torch.float32 else [])
+    dtypes = dict.fromkeys([torch.float32, DTYPES[spec.dtype]])  # fp32 first, then the run dtype if another
     numel = sum(p.numel() for p in init.parameters())
+    allowed = int(MAX_OUTLIER_FRACTION * numel)
     failures, report = [], {}
     for dtype in dtypes:
         tol = TOLERANCE[dtype]
@@ -416,11 +341,13 @@ def verify(spec: Spec, rank: int, device: torch.device, init: GPT, log: Callable
             if reference is None:
                 reference = params
                 continue
-            agreement = compare(params, reference, tol)
-            results[c.name] = dataclasses.asdict(agreement)
-            why = agreement.failure(numel)
-            if why is not None:
-                failures.append(f"{c.name} ({dtype}) differs from {REFERENCE.name} (tolerance {tol}): {why}")
+            a = results[c.name] = agreement(params, reference, tol)
+            if a["beyond_bound"] or a["outliers"] > allowed:
+                failures.append(
+                    f"{c.name} ({dtype}) differs from {REFERENCE.name} (tolerance {tol}): {a['outliers']} of "
+                    f"{numel} elements outside the tolerance (at most {allowed} allowed), {a['beyond_bound']} "
+                    f"of them by more than {OUTLIER_ATOL:.3g}; most in {a['worst_param']}"
+                )
         log(
             f"checked {VERIFY_STEPS} steps in {dtype} against {REFERENCE.name} (tolerance {tol}): "
             + ", ".join(
@@ -430,20 +357,14 @@ def verify(spec: Spec, rank: int, device: torch.device, init: GPT, log: Callable
     return failures, report
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(c: Contender, spec: Spec, device: torch.device, init: GPT, batch, log) -> Row:
+def measure(c: Contender, spec: Spec, device: torch.device, init: TinyGPT, batch, log) -> Row:
     """Builds the contender and times its step alone, then whole iterations."""
     start = time.perf_counter()
-    dtype = DTYPES[spec.dtype]
     baseline_bytes = 0
     if device.type == "cuda":
         flush_l2(device)  # time_fn's flush buffer is allocated (once) before the baseline is read
         baseline_bytes = torch.cuda.memory_allocated(device)
-    trainer = build(c, init, dtype, device)
+    trainer = build(c, init, DTYPES[spec.dtype], device)
     t = spec.timings
     step = time_fn(trainer.opt.step, device, t.step, setup=functools.partial(trainer.forward_backward, batch))
 
@@ -453,10 +374,10 @@ def measure(c: Contender, spec: Spec, device: torch.device, init: GPT, batch, lo
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(t.iter_reps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         trainer.iteration(batch)
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     iters = summarize(times)
     peak = torch.cuda.max_memory_allocated(device) - baseline_bytes if device.type == "cuda" else None
@@ -491,9 +412,9 @@ def rank_main(rank: int, world_size: int, spec: Spec) -> dict[str, Any] | None:
         f"{spec.model.batch}x{spec.model.seq} tokens per rank; world size {world_size} ({dist.get_backend()})"
     )
     start = time.perf_counter()
-    failures, agreement = verify(spec, rank, device, init, log)
+    failures, agreements = verify(spec, rank, device, init, log)
     log(f"correctness check: {time.perf_counter() - start:.1f} s")
-    result = dict(rows=[], failures=failures, agreement=agreement, params=numel, tensors=len(params))
+    result = dict(rows=[], failures=failures, agreement=agreements, params=numel, tensors=len(params))
     if failures:
         log("FAILED the correctness check, nothing timed:\n  " + "\n  ".join(failures))
         return result if rank == 0 else None
@@ -541,11 +462,6 @@ _COLUMNS = (
 )  # fmt: skip
 
 
-def _header() -> str:
-    names = " ".join(f"{name:<{width}}" for name, width in _COLUMNS)
-    return names + "\n" + "-" * len(names)
-
-
 def _format(row: Row) -> str:
     def ratio(x: float | None) -> str:
         return "" if x is None else f"{x:.2f}x"
@@ -555,46 +471,20 @@ def _format(row: Row) -> str:
         f"{row.iter_ms:.4g}", ratio(row.iter_ratio_vs_fused), f"{row.state_bytes / 2**20:.2f}",
         f"{row.state_bytes_per_param:.2f}", "" if row.peak_bytes is None else f"{row.peak_bytes / 2**20:.0f}",
     )  # fmt: skip
-    return " ".join(f"{cell:<{width}}" for cell, (_, width) in zip(cells, _COLUMNS))
+    return table_row(cells, _COLUMNS)
 
 
 def plot(path: Path, rows: Sequence[Row], title: str) -> bool:
     """Bar charts: step ms (p10-p90 whiskers), iteration ms, state MiB per rank, peak MiB (CUDA)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: skipping the plot {path}")
-        return False
-    step_err = [(r.step_ms - r.step_p10_ms, r.step_p90_ms - r.step_ms) for r in rows]
-    iter_err = [(r.iter_ms - r.iter_p10_ms, r.iter_p90_ms - r.iter_ms) for r in rows]
-    panels = [
-        ("optimizer step (ms)", [r.step_ms for r in rows], step_err),
-        ("whole iteration (ms)", [r.iter_ms for r in rows], iter_err),
-        ("optimizer state per rank (MiB)", [r.state_bytes / 2**20 for r in rows], None),
-    ]
+    panels = {
+        "optimizer step (ms)": ([r.step_ms for r in rows], [(r.step_p10_ms, r.step_p90_ms) for r in rows]),
+        "whole iteration (ms)": ([r.iter_ms for r in rows], [(r.iter_p10_ms, r.iter_p90_ms) for r in rows]),
+        "optimizer state per rank (MiB)": ([r.state_bytes / 2**20 for r in rows], None),
+    }
     if all(r.peak_bytes is not None for r in rows):
-        panels.append(("peak allocated, iteration (MiB)", [r.peak_bytes / 2**20 for r in rows], None))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.8), squeeze=False)
+        panels["peak allocated, iteration (MiB)"] = ([r.peak_bytes / 2**20 for r in rows], None)
     labels = [r.name.replace(" overlap_param_sync", "\n+overlap_param_sync") for r in rows]
-    ys = range(len(rows))
-    for ax, (name, values, errors) in zip(axes[0], panels):
-        xerr = list(zip(*errors)) if errors else None
-        ax.barh(ys, values, xerr=xerr, color=[f"C{i}" for i in ys], capsize=3)
-        for y, v, e in zip(ys, values, errors or [(0, 0)] * len(rows)):
-            ax.text(v + e[1], y, f" {v:.3g}", va="center", fontsize=7)
-        ax.margins(x=0.2)
-        ax.set_yticks(list(ys), labels if ax is axes[0][0] else [""] * len(rows), fontsize=7)
-        ax.invert_yaxis()
-        ax.set(title=name)
-        ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return plot_bars(path, labels, panels, title)
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -608,35 +498,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for results_step.json and .png")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few runs (CPU smoke test)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before forked ranks count as hung")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.world_size = args.world_size or (1 if args.device == "cuda" else 2)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    if args.device == "cuda" and args.world_size != 1:
+        parser.error("--device cuda runs world size 1 (one rank in this process); use torchrun-style launches")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = args.world_size or (1 if args.device == "cuda" else 2)
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            print("--device cuda: no CUDA device visible", file=sys.stderr)
-            return 2
-        if world_size != 1:
-            print(
-                "--device cuda runs world size 1 (one rank in this process); use torchrun-style launches for more GPUs",
-                file=sys.stderr,
-            )
-            return 2
-    if world_size < 1:
-        print(f"--world-size must be >= 1, got {world_size}", file=sys.stderr)
+    world_size = args.world_size
+    device = torch.device(args.device)
+    kernels = kernels_in_use(device, ("adam_step_",))
+    if kernels is None:
         return 2
-    kernels = "compiled" if ("adam_step_", args.device.upper()) in ops.COMPILED_KERNELS else "reference"
-    if kernels != "compiled":
-        message = f"distopt._C has no {args.device} kernels: the pure-PyTorch reference ops would be timed"
-        if args.device == "cuda":
-            print(f"error: {message}; build the extension first", file=sys.stderr)
-            return 2
-        print(f"warning: {message}")
     size = "quick" if args.quick else args.device
     spec = Spec(args.device, world_size, args.dtype, MODELS[size], TIMINGS[size])
-    device = torch.device(args.device)
 
     if world_size == 1:
         if args.device == "cpu":
@@ -671,11 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratio=ratio,
             met=(ratio <= TARGET_RATIO) if world_size == 1 else None,
         )
-    write_json(args.out / "results_step.json", meta, rows)
-    if rows:
-        print("\n" + _header())
+        print("\n" + table_header(_COLUMNS))
         for row in rows:
             print(_format(row))
+    write_json(args.out / "results_step.json", meta, rows)
     if result["failures"]:
         count = len(result["failures"])
         print(f"\n{count} correctness FAILURES: no timings reported; wrote {args.out}/results_step.json")

@@ -1,4 +1,5 @@
-"""Timing, copy-bandwidth and result-writing helpers shared by the benchmark scripts.
+"""Timing, copy-bandwidth, device-check and result-writing (JSON, table, plot) helpers shared by the
+benchmark scripts.
 
 Timing method (DESIGN.md section 6): warm-up, then many timed runs, reporting the median with the 10th
 and 90th percentiles. On CUDA each run is bracketed by CUDA events (GPU time, no host sync inside the
@@ -21,6 +22,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from distopt import ops
 
 L2_FLUSH_BYTES = 256 * 2**20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -73,20 +77,21 @@ def flush_l2(device: torch.device) -> None:
     _flush_buffer(device).zero_()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _num_reps(fn: Callable[[], Any], setup: Callable[[], Any] | None, device: torch.device, cfg: TimingConfig) -> int:
     """Runs the warm-up and sizes the timed loop to fit the time budget."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(max(cfg.warmup, 1)):
         if setup is not None:
             setup()
         fn()
-    _sync(device)
+    sync(device)
     per_run = (time.perf_counter() - start) / max(cfg.warmup, 1)
     return int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_s / max(per_run, 1e-9))))
 
@@ -137,6 +142,33 @@ def copy_bandwidth(device: torch.device, numel: int, cfg: TimingConfig = TimingC
     return gbps(2 * src.nbytes, timing.median_ms), timing
 
 
+def torch_adamw(params: Sequence[torch.Tensor], *args: Any) -> tuple[torch.optim.AdamW, bool, str]:
+    """torch.optim.AdamW(params, *args), fused where torch has a fused kernel for the params' device, else
+    foreach: (optimizer, fused, a note naming which)."""
+    try:
+        return torch.optim.AdamW(params, *args, fused=True), True, "AdamW(fused=True)"
+    except RuntimeError as exc:
+        note = f"AdamW(foreach=True): no fused kernel on {params[0].device.type} ({exc})"
+        return torch.optim.AdamW(params, *args, foreach=True), False, note
+
+
+def kernels_in_use(device: torch.device, op_names: Sequence[str]) -> str | None:
+    """'compiled' if distopt._C has kernels of ``op_names`` for the device, else 'reference' (the pure
+    PyTorch fallback would be timed: a warning on CPU). None, after printing why, where the benchmark
+    cannot run: no CUDA device visible, or no compiled CUDA kernels."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device visible", file=sys.stderr)
+        return None
+    if all((op, device.type.upper()) in ops.COMPILED_KERNELS for op in op_names):
+        return "compiled"
+    message = f"distopt._C has no {device.type} kernels: the pure-PyTorch reference ops would be timed"
+    if device.type == "cuda":
+        print(f"error: {message}; build the extension first", file=sys.stderr)
+        return None
+    print(f"warning: {message}")
+    return "reference"
+
+
 def git_commit() -> str | None:
     """HEAD's hash with a ``-dirty`` suffix if the tree has changes; None outside a git checkout."""
     try:
@@ -178,6 +210,41 @@ def write_json(path: Path, meta: dict[str, Any], rows: Sequence[Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def table_header(columns: Sequence[tuple[str, int]]) -> str:
+    """The column names of a text table of (name, width) columns, underlined."""
+    names = table_row([name for name, _ in columns], columns)
+    return names + "\n" + "-" * len(names)
+
+
+def table_row(cells: Sequence[str], columns: Sequence[tuple[str, int]]) -> str:
+    """One line of a text table: each cell left-aligned to its column's width."""
+    return " ".join(f"{cell:<{width}}" for cell, (_, width) in zip(cells, columns, strict=True))
+
+
+def _pyplot(path: Path):
+    """matplotlib.pyplot on the Agg backend, or None (after saying that the plot ``path`` is skipped)
+    when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: skipping the plot {path}")
+        return None
+    return plt
+
+
+def _save_figure(fig, path: Path, title: str, **title_kw: Any) -> None:
+    """Titles, lays out, writes (120 dpi) and closes ``fig``."""
+    fig.suptitle(title, **title_kw)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt  # there is a figure, so there is matplotlib
+
+    plt.close(fig)
+
+
 def size_label(numel: float) -> str:
     """64K, 16M, ... for element counts (powers of two)."""
     for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
@@ -193,15 +260,11 @@ def plot_bandwidth(path: Path, panels: dict[str, Series], copy_gbps: float, titl
     """One panel per kernel of GB/s vs size (log x): a line per (impl, variant), one colour per variant,
     torch dashed, and the measured copy bandwidth dotted. Returns False (and says why) when
     matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
-    except ImportError:
-        print(f"matplotlib is not installed: skipping the plot {path}")
+    plt = _pyplot(path)
+    if plt is None:
         return False
+    from matplotlib.ticker import FuncFormatter
+
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (kernel, series) in zip(axes[0], panels.items(), strict=True):
         variants = sorted({variant for _, variant in series})
@@ -217,8 +280,33 @@ def plot_bandwidth(path: Path, panels: dict[str, Series], copy_gbps: float, titl
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_figure(fig, path, title)
+    return True
+
+
+Bars = dict[str, tuple[list[float], list[tuple[float, float]] | None]]  # panel -> (values, (p10, p90)s or None)
+
+
+def plot_bars(path: Path, labels: Sequence[str], panels: Bars, title: str) -> bool:
+    """Side by side, a panel of horizontal bars (one per label, values written beside them) per entry of
+    ``panels``: ``{panel title: (values, [(p10, p90) per value] or None)}``, the ranges drawn as whiskers.
+    Returns False (and says why) when matplotlib is missing."""
+    plt = _pyplot(path)
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.8), squeeze=False)
+    ys = range(len(labels))
+    for ax, (name, (values, ranges)) in zip(axes[0], panels.items(), strict=True):
+        xerr = None
+        if ranges is not None:
+            xerr = [[v - lo for v, (lo, _) in zip(values, ranges)], [hi - v for v, (_, hi) in zip(values, ranges)]]
+        ax.barh(ys, values, xerr=xerr, color=[f"C{i}" for i in ys], capsize=3)
+        for y, v, (_, hi) in zip(ys, values, ranges or zip(values, values)):
+            ax.text(hi, y, f" {v:.3g}", va="center", fontsize=7)
+        ax.margins(x=0.2)
+        ax.set_yticks(list(ys), labels if ax is axes[0][0] else [""] * len(labels), fontsize=7)
+        ax.invert_yaxis()
+        ax.set(title=name)
+        ax.grid(True, axis="x", alpha=0.3)
+    _save_figure(fig, path, title, fontsize=9)
     return True
