@@ -24,7 +24,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     weight_decay=1e-2):
       adam_w_mode: True (default) decouples weight decay (AdamW); False adds it to the gradient
         (``torch.optim.Adam``). Stored per param group, so groups may differ.
-      master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["master_param"]``;
+      master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["param"]``;
         the update runs on the masters and writes the model params in the same pass. Off by default:
         16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).
       capturable: keep lr (as a float32 tensor in ``group["lr"]``) and each param's step on the GPU
@@ -117,7 +117,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             if self._uses_master(p):
-                state["master_param"] = p.detach().float()
+                state["param"] = p.detach().float()
         return state
 
     @staticmethod
@@ -210,7 +210,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
         for p, g in zip(params, grads):
             state = self._init_state(p)
-            master = state.get("master_param")
+            master = state.get("param")
             key = (p.dtype, g.dtype, master is not None)
             if not self.capturable:
                 key += (int(state["step"].item()),)
@@ -220,7 +220,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             has_master = key[2]
             states = [s for _, _, s in entries]
             lists = dict(
-                params=[s["master_param"] if has_master else p for p, _, s in entries],
+                params=[s["param"] if has_master else p for p, _, s in entries],
                 grads=[g for _, g, _ in entries],
                 exp_avgs=[s["exp_avg"] for s in states],
                 exp_avg_sqs=[s["exp_avg_sq"] for s in states],
@@ -243,7 +243,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``.
 
         Moments are kept in fp32 whatever dtype they were saved in (torch saves them in the param
-        dtype); a missing ``master_param`` is taken from the current param. A torch group's
+        dtype); a missing ``param`` is taken from the current param. A torch group's
         ``decoupled_weight_decay`` sets ``adam_w_mode``. Everything is checked before anything changes.
         """
         saved_groups = state_dict.get("param_groups")
@@ -289,17 +289,17 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             if name not in saved:
                 raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} lacks {name!r}")
         out: dict[str, Any] = {}
-        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+        for name in ("exp_avg", "exp_avg_sq", "param"):
             value = saved.get(name)
             if value is None:
                 continue
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
             out[name] = torch.empty_like(p, dtype=torch.float32).copy_(value)
-        if self._uses_master(p) and "master_param" not in out:
-            out["master_param"] = p.detach().float()
+        if self._uses_master(p) and "param" not in out:
+            out["param"] = p.detach().float()
         if not self._uses_master(p):
-            out.pop("master_param", None)
+            out.pop("param", None)
         step = saved["step"]
         step_value = float(step.item() if isinstance(step, Tensor) else step)
         step_device = p.device if self.capturable else torch.device("cpu")

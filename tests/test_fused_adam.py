@@ -104,7 +104,7 @@ def test_master_weights_exact_grads(dtype):
         ref_opt.step()
         opt.step()
         for p, rp in zip(params, ref_params):
-            master = opt.state[p]["master_param"]
+            master = opt.state[p]["param"]
             tolerances.assert_close(master, rp, tolerances.OPTIMIZER)
             assert torch.equal(p, master.to(dtype))
 
@@ -117,7 +117,7 @@ def test_16bit_params_without_master_weights_update_in_place():
     p.grad = torch.randn(100, dtype=torch.bfloat16)
     opt.step()
     assert not torch.equal(p, before)
-    assert "master_param" not in opt.state[p]
+    assert "param" not in opt.state[p]
     assert opt.state[p]["exp_avg"].dtype == torch.float32
 
 
@@ -280,15 +280,15 @@ def test_grad_scaler_with_master_weights(dtype):
             model[0].weight.grad.view(-1)[int(torch.randint(0, 384, (1,), generator=gen))] = POISON[step]
         for p, rp in zip(model.parameters(), ref_params):
             rp.grad = p.grad.float()
-        masters_before = [s["master_param"].clone() for s in opt.state.values()]
+        masters_before = [s["param"].clone() for s in opt.state.values()]
         scaler.step(opt)
         scaler.step(ref_opt)
         scaler.update()
         for p, rp in zip(model.parameters(), ref_params):
-            tolerances.assert_close(opt.state[p]["master_param"], rp, tolerances.OPTIMIZER)
-            assert torch.equal(p, opt.state[p]["master_param"].to(dtype))
+            tolerances.assert_close(opt.state[p]["param"], rp, tolerances.OPTIMIZER)
+            assert torch.equal(p, opt.state[p]["param"].to(dtype))
         if step in POISON:
-            assert all(torch.equal(s["master_param"], b) for s, b in zip(opt.state.values(), masters_before))
+            assert all(torch.equal(s["param"], b) for s, b in zip(opt.state.values(), masters_before))
 
 
 # ----------------------------------------------------------------------------- state dicts
@@ -354,12 +354,12 @@ def test_master_weights_state_dict_carries_masters():
     opt = FusedAdam(model.parameters(), master_weights=True)
     train(model, opt, steps=2)
     sd = opt.state_dict()
-    assert all("master_param" in s and s["master_param"].dtype == torch.float32 for s in sd["state"].values())
+    assert all("param" in s and s["param"].dtype == torch.float32 for s in sd["state"].values())
     model2 = copy.deepcopy(model)
     opt2 = FusedAdam(model2.parameters(), master_weights=True)
     opt2.load_state_dict(sd)
     for p, p2 in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(opt.state[p]["master_param"], opt2.state[p2]["master_param"])
+        assert torch.equal(opt.state[p]["param"], opt2.state[p2]["param"])
 
 
 # ----------------------------------------------------------------------------- bad input

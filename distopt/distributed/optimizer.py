@@ -12,6 +12,7 @@ from torch import Tensor
 from .. import ops
 from .._validation import check_adam_hyperparameters, check_unique_params, is_dense
 from ..grad_scaling import GradScaling
+from . import checkpoint
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
@@ -416,6 +417,21 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         """Finishes every deferred param all-gather (overlap_param_sync)."""
         if self._param_sync is not None:
             self._param_sync.finish()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, gather_on_rank0: bool = False) -> dict[str, Any] | None:
+        """Per-param state (fp32 ``param``, ``exp_avg``, ``exp_avg_sq`` in each param's shape, on the
+        CPU; ``step``; ``param_groups``), the same whatever the world size, bucket size or init order,
+        and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
+        with `gather_on_rank0` only rank 0 assembles it (the others return None). See checkpoint.py,
+        also for sharded save/load through torch.distributed.checkpoint."""
+        return checkpoint.state_dict(self, gather_on_rank0)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
+        FusedAdam state dict; checks everything before changing anything. Every rank must call it."""
+        checkpoint.load_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ reporting
 
