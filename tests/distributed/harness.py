@@ -43,6 +43,15 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
         queue.put((rank, "error", traceback.format_exc()))
 
 
+def hsdp_groups(rank: int, world_size: int, shard_size: int) -> dict:
+    """Process groups for hybrid sharding: state sharded over blocks of `shard_size` consecutive ranks,
+    replicated across blocks. Every rank creates every group, in the same order (torch requires it)."""
+    shard_groups = [dist.new_group(list(range(s, s + shard_size))) for s in range(0, world_size, shard_size)]
+    replica_groups = [dist.new_group(list(range(i, world_size, shard_size))) for i in range(shard_size)]
+    return {"distributed_process_group": shard_groups[rank // shard_size],
+            "redundant_process_group": replica_groups[rank % shard_size]}
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S) -> list:
     """fn(rank, world_size, *args) on every rank; returns the results in rank order."""
     ctx = mp.get_context("fork")

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distopt import DistributedFusedAdam, FusedAdam
 from distopt.distributed import checkpoint
 
 import tolerances
-from harness import run_ranks
+from harness import hsdp_groups, run_ranks
 
 GLOBAL_BATCH = 8
 TINY_BUCKET_MB = 200 * 4 / 2**20  # params straddle buckets and shards
@@ -48,9 +49,14 @@ class Setup:
     lr_scale: float = 1.0  # a fresh optimizer's lr before loading (must be overwritten)
     dtype: torch.dtype = torch.float32
     opt: dict = field(default_factory=dict)
+    hsdp_shard: int | None = None  # hybrid sharding over blocks of this many ranks
 
     def build(self, model: nn.Module) -> DistributedFusedAdam:
-        opt = DistributedFusedAdam(groups(model, self.lr_scale), bucket_cap_mb=self.bucket_cap_mb, **self.opt)
+        extra = {}
+        if self.hsdp_shard:
+            extra = hsdp_groups(dist.get_rank(), dist.get_world_size(), self.hsdp_shard)
+        opt = DistributedFusedAdam(groups(model, self.lr_scale), bucket_cap_mb=self.bucket_cap_mb, **self.opt,
+                                   **extra)
         if self.reverse_init:
             opt.init_params(list(model.parameters())[::-1])
         return opt
@@ -171,6 +177,18 @@ def test_resume_bf16_remainders(tmp_path, saved_on, loaded_on, form):
     extra = {} if saved_on == loaded_on else dict(atol=2 * 3 * 1e-2)
     for a, e in zip(params + outputs, ref_params + ref_outputs):
         tolerances.assert_close(a, e, tolerances.DISTRIBUTED, dtype=torch.bfloat16, scale_atol=True, **extra)
+
+
+@pytest.mark.parametrize("form", ["state_dict", "dcp"])
+def test_hybrid_sharded_checkpoint_resumes_on_one_rank(tmp_path, form):
+    """Saved from 2 shards x 2 replicas (replicas write their shared ranges once), resumed on 1 rank."""
+    path = str(tmp_path / "ckpt") if form == "dcp" else None
+    sd, model_sd = run_ranks(first_half, 4, (Setup(hsdp_shard=2), path))[0]
+    params, outputs, reloaded = run_ranks(second_half, 1, (LOAD_SETUP, sd, model_sd, path))[0]
+    ref_params, ref_outputs = run_ranks(uninterrupted, 1, (LOAD_SETUP,))[0]
+    assert_same_state(reloaded, sd)
+    for a, e in zip(params + outputs, ref_params + ref_outputs):
+        tolerances.assert_close(a, e, tolerances.DISTRIBUTED)
 
 
 def test_state_dict_only_on_rank0(tmp_path):

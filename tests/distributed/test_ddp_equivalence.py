@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distopt import DistributedFusedAdam, FusedAdam
 
 import tolerances
-from harness import run_ranks
+from harness import hsdp_groups, run_ranks
 
 STEPS, MICRO_BATCHES = 3, 3
 
@@ -84,6 +84,7 @@ class Config:
     device: str = "cpu"
     ref_master_weights: bool = True  # 16-bit models: the reference FusedAdam keeps fp32 masters
     mixed_bf16_body: bool = False  # an fp32 model whose middle layers are bf16
+    hsdp_shard: int | None = None  # hybrid sharding: state sharded over blocks of this many ranks
     @property
     def table_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16_grad_sync or self.mixed_bf16_body else self.dtype
@@ -117,7 +118,8 @@ def compare(what: str, actual: torch.Tensor, expected: torch.Tensor, cfg: Config
 def train_and_compare(rank: int, world_size: int, cfg: Config) -> int:
     ref_model, ref_opt = reference(cfg, make_net(cfg))
     model = make_net(cfg)
-    opt = DistributedFusedAdam(param_groups(model), adam_w_mode=cfg.adam_w_mode, **cfg.opt)
+    groups = hsdp_groups(rank, world_size, cfg.hsdp_shard) if cfg.hsdp_shard else {}
+    opt = DistributedFusedAdam(param_groups(model), adam_w_mode=cfg.adam_w_mode, **cfg.opt, **groups)
     deferred = cfg.opt.get("overlap_param_sync", False)
     checks = 0
     for step in range(cfg.steps + cfg.extra_steps_for_ours):
@@ -181,10 +183,20 @@ CONFIGS = {
                                                                         contiguous_param_buffer=True)),
 }
 
-# Every configuration on 2 ranks; the main ones on 1 and 4 too.
+# Hybrid sharding: 2 shards x 2 replicas, and shards of one rank (plain data parallelism with fp32
+# main grads: every rank holds all the state, gradients are all-reduced across all ranks).
+HSDP = {
+    "hsdp_2x2": Config(hsdp_shard=2, opt=dict(bucket_cap_mb=600 * 4 / 2**20)),
+    "hsdp_2x2_contiguous_overlap": Config(hsdp_shard=2, opt=dict(
+        contiguous_grad_buffer=True, contiguous_param_buffer=True, overlap_param_sync=True)),
+    "hsdp_shard_of_one": Config(hsdp_shard=1),
+}
+
+# Every configuration on 2 ranks; the main ones on 1 and 4 too; hybrid sharding on 4 (and 2).
 CASES = [(name, 2) for name in CONFIGS] + [
     (name, ws) for name in ("default", "tiny_buckets", "overlap_param_sync", "bf16_remainders") for ws in (1, 4)
-]
+] + [(name, 4) for name in HSDP] + [("hsdp_shard_of_one", 2)]
+CONFIGS.update(HSDP)
 
 
 @pytest.mark.parametrize("name, world_size", CASES, ids=[f"{n}-ws{w}" for n, w in CASES])
