@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._state_dicts import check_saved_groups, restore_hyperparameters
 from ._validation import check_adam_hyperparameters, check_unique_params, is_dense
 from .grad_scaling import GradScaling
 
@@ -248,19 +249,11 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         """
         saved_groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")
-        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        if not isinstance(saved_state, dict):
             raise ValueError("FusedAdam.load_state_dict: expected a dict with 'state' and 'param_groups'")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has {len(saved_groups)} param groups, "
-                             f"the optimizer has {len(self.param_groups)}")
+        check_saved_groups(self.param_groups, saved_groups)
         id_map: dict[Any, Tensor] = {}
         for group, saved in zip(self.param_groups, saved_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"a loaded param group has {len(saved['params'])} params, "
-                                 f"the optimizer's has {len(group['params'])}")
-            if saved.get("amsgrad") or saved.get("maximize"):
-                raise ValueError("FusedAdam cannot continue a run that used amsgrad or maximize")
-            check_adam_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
             id_map.update(zip(saved["params"], group["params"]))
 
         new_state: dict[Tensor, dict[str, Any]] = {}
@@ -271,17 +264,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             new_state[p] = self._convert_state(p, saved)
 
         self.state = defaultdict(dict, new_state)
-        for group, saved in zip(self.param_groups, saved_groups):
-            for name in ("betas", "eps", "weight_decay", "adam_w_mode"):
-                if name in saved:
-                    group[name] = saved[name]
-            if "decoupled_weight_decay" in saved:
-                group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
-            if self.capturable:
+        if self.capturable:  # a float set after construction becomes the device tensor first
+            for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)
-                group["lr"].fill_(float(saved["lr"]))
-            else:
-                group["lr"] = float(saved["lr"]) if isinstance(saved["lr"], Tensor) else saved["lr"]
+        restore_hyperparameters(self.param_groups, saved_groups)
 
     def _convert_state(self, p: Tensor, saved: dict[str, Any]) -> dict[str, Any]:
         """One param's saved state in this optimizer's layout (fp32, param's device and strides)."""

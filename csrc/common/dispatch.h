@@ -51,4 +51,25 @@ decltype(auto) dispatch_float_or_none(const TensorList& list, const char* what, 
   return dispatch_float(list.dtype, what, static_cast<F&&>(f));
 }
 
+// The fused Adam update's types: calls f(Tag<P>, Tag<G>, Tag<O>, std::bool_constant<kRem>) for the
+// param, grad and param_out (NoList if absent) element types, kRem when bf16 params carry int16
+// remainders (the binding layer has checked that remainders only come with bf16 params).
+template <typename F>
+void dispatch_adam(const TensorList& params, const TensorList& grads, const TensorList& param_outs,
+                   bool remainders, F&& f) {
+  dispatch_float(params.dtype, "adam param", [&](auto p) {
+    dispatch_float(grads.dtype, "adam grad", [&](auto g) {
+      dispatch_float_or_none(param_outs, "adam param_out", [&](auto o) {
+        if constexpr (std::is_same_v<typename decltype(p)::type, bf16_t>) {
+          if (remainders) {
+            f(p, g, o, std::true_type{});
+            return;
+          }
+        }
+        f(p, g, o, std::false_type{});
+      });
+    });
+  });
+}
+
 }  // namespace distopt

@@ -46,28 +46,19 @@ void adam_cpu(const TensorLists& tl, const AdamArgs& args) {
   const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
   const bool has_remainder = !tl.lists[kRemainder].empty();
 
-  dispatch_float(tl.lists[kParam].dtype, "adam param", [&](auto p_tag) {
-    dispatch_float(tl.lists[kGrad].dtype, "adam grad", [&](auto g_tag) {
-      dispatch_float_or_none(tl.lists[kParamOut], "adam param_out", [&](auto o_tag) {
-        using P = typename decltype(p_tag)::type;
-        using G = typename decltype(g_tag)::type;
-        using O = typename decltype(o_tag)::type;
-        for (int64_t i = 0; i < tl.size(); ++i) {
-          const double step = args.steps.empty()
-                                  ? args.step
-                                  : static_cast<double>(*static_cast<const float*>(args.steps.data[i]));
-          const AdamCoeffs c = adam_coeffs(args.hyper, lr, step);
-          if constexpr (std::is_same_v<P, bf16_t>) {
-            if (has_remainder) {
-              adam_tensor<P, G, O, true>(tl, i, c, grad_scale);
-              continue;
-            }
-          }
-          adam_tensor<P, G, O, false>(tl, i, c, grad_scale);
-        }
-      });
-    });
-  });
+  dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], has_remainder,
+                [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
+                  using P = typename decltype(p_tag)::type;
+                  using G = typename decltype(g_tag)::type;
+                  using O = typename decltype(o_tag)::type;
+                  for (int64_t i = 0; i < tl.size(); ++i) {
+                    const double step =
+                        args.steps.empty() ? args.step
+                                           : static_cast<double>(*static_cast<const float*>(args.steps.data[i]));
+                    const AdamCoeffs c = adam_coeffs(args.hyper, lr, step);
+                    adam_tensor<P, G, O, decltype(remainders)::value>(tl, i, c, grad_scale);
+                  }
+                });
 }
 
 }  // namespace distopt

@@ -143,22 +143,14 @@ void adam_cuda(const TensorLists& tl, const AdamArgs& args, void* stream) {
   const bool has_remainder = !tl.lists[kRemainder].empty();
   auto s = static_cast<cudaStream_t>(stream);
 
-  dispatch_float(tl.lists[kParam].dtype, "adam param", [&](auto p_tag) {
-    dispatch_float(tl.lists[kGrad].dtype, "adam grad", [&](auto g_tag) {
-      dispatch_float_or_none(tl.lists[kParamOut], "adam param_out", [&](auto o_tag) {
-        using P = typename decltype(p_tag)::type;
-        using G = typename decltype(g_tag)::type;
-        using O = typename decltype(o_tag)::type;
-        if constexpr (std::is_same_v<P, bf16_t>) {
-          if (has_remainder) {
-            cuda::multi_tensor_apply<kDepth>(rows, tl.numel, s, "adam", AdamOp<P, G, O, true>{}, a);
-            return;
-          }
-        }
-        cuda::multi_tensor_apply<kDepth>(rows, tl.numel, s, "adam", AdamOp<P, G, O, false>{}, a);
-      });
-    });
-  });
+  dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], has_remainder,
+                [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
+                  using P = typename decltype(p_tag)::type;
+                  using G = typename decltype(g_tag)::type;
+                  using O = typename decltype(o_tag)::type;
+                  cuda::multi_tensor_apply<kDepth>(rows, tl.numel, s, "adam",
+                                                   AdamOp<P, G, O, decltype(remainders)::value>{}, a);
+                });
 }
 
 }  // namespace distopt

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: catch it by name
 
-from .._validation import check_adam_hyperparameters
+from .._state_dicts import check_saved_groups, restore_hyperparameters
 from ..reference import join_bf16_remainder, split_bf16_remainder
 from .buckets import BucketRuntime, flat
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 FORMAT = "distopt.per_param.v1"
 SHARDED_FORMAT = "distopt.sharded.v1"
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode")
 _FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+)\.(param|exp_avg|exp_avg_sq)\.(\d+)$")
 
 # A source of saved values: (param index in param_groups, state key, first element in memory order,
@@ -121,7 +120,7 @@ def load_state_dict(opt: DistributedFusedAdam, sd: dict[str, Any]) -> None:
     if not isinstance(sd, dict) or fmt not in (FORMAT, None) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict this optimizer can load (format {fmt!r}; expected "
                          f"{FORMAT!r} or a torch.optim state dict with 'state' and 'param_groups')")
-    _check_groups(opt, sd["param_groups"])
+    check_saved_groups(opt.param_groups, sd["param_groups"])
     index = global_indices(opt)
     by_global = {g: opt._params[i] for i, g in enumerate(index)}
     per_param: dict[int, dict[str, Tensor]] = {}
@@ -156,18 +155,6 @@ def load_state_dict(opt: DistributedFusedAdam, sd: dict[str, Any]) -> None:
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
 
 
-def _check_groups(opt: DistributedFusedAdam, saved_groups: list[dict[str, Any]]) -> None:
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the optimizer {len(opt.param_groups)}")
-    for group, saved in zip(opt.param_groups, saved_groups):
-        if len(saved["params"]) != len(group["params"]):
-            raise ValueError(f"a saved param group has {len(saved['params'])} params, "
-                             f"the optimizer's has {len(group['params'])}")
-        if saved.get("amsgrad") or saved.get("maximize"):
-            raise ValueError("cannot continue a run that used amsgrad or maximize")
-        check_adam_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
-
-
 def _apply(opt: DistributedFusedAdam, source: Source, step: int, saved_groups: list[dict[str, Any]]) -> None:
     """Rewrites the shards (in place), the model params (from the masters) and the hyperparameters."""
     if opt._layout is None:
@@ -198,16 +185,7 @@ def _apply(opt: DistributedFusedAdam, source: Source, step: int, saved_groups: l
     opt._param_sync.after_step(None)  # writes the params (at once, or before the next forward)
     opt._step_count = step
     opt._step_tensor.fill_(float(step))
-    for group, saved in zip(opt.param_groups, saved_groups):
-        for k in HYPER_KEYS[1:]:
-            if k in saved:
-                group[k] = tuple(saved[k]) if k == "betas" else saved[k]
-        if "decoupled_weight_decay" in saved:
-            group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
-        if opt.capturable:
-            group["lr"].fill_(float(saved["lr"]))  # in place: a captured graph keeps reading it
-        else:
-            group["lr"] = float(saved["lr"])
+    restore_hyperparameters(opt.param_groups, saved_groups)
 
 
 # ---------------------------------------------------------------------- torch.distributed.checkpoint
@@ -256,7 +234,7 @@ def load(opt: DistributedFusedAdam, checkpoint_id: str, extra: dict[str, Any] | 
         raise ValueError(f"{checkpoint_id}: not a readable distopt sharded checkpoint ({exc})") from exc
     if meta.get("format") != SHARDED_FORMAT:
         raise ValueError(f"{checkpoint_id}: not a distopt sharded checkpoint (format {meta.get('format')!r})")
-    _check_groups(opt, meta["param_groups"])
+    check_saved_groups(opt.param_groups, meta["param_groups"])
     saved = _saved_fragments(checkpoint_id, opt)
     index = global_indices(opt)
     for i, p in enumerate(opt._params):
