@@ -53,3 +53,13 @@ def is_dense(t: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int) -> None:
+    """Raises if a group's lr tensor was replaced after a CUDA graph captured the step that reads it
+    (the graph would keep reading the old tensor, silently)."""
+    if captured is not None and groups[index]["lr"] is not captured[index]:
+        raise RuntimeError(
+            f"param_groups[{index}]['lr'] was replaced after a step was captured in a CUDA graph, which keeps "
+            "reading the old tensor: change lr in place (group['lr'].fill_(value), as LR schedulers do)"
+        )

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import ops
 from ._state_dicts import check_saved_groups, restore_hyperparameters
-from ._validation import check_adam_hyperparameters, check_unique_params, is_dense
+from ._validation import check_adam_hyperparameters, check_graph_lr, check_unique_params, is_dense
 from .grad_scaling import GradScaling
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,6 +62,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         self.capturable = capturable
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
+        self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
 
     def _check_params(self, params: list[Tensor]) -> None:
         devices = {p.device for p in params}
@@ -156,9 +157,9 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             self._reset_grad_scaling()
             return loss  # an inf/nan step: nothing changes, the step counters included
 
-        for group, params, grads in work:
+        for index, (group, params, grads) in enumerate(work):
             if params:
-                self._step_group(group, params, grads, grad_scale, found_inf)
+                self._step_group(index, group, params, grads, grad_scale, found_inf)
         self._reset_grad_scaling()
         return loss
 
@@ -203,7 +204,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             sq = sq + total.square()
         return torch.cat([sq, flag])
 
-    def _step_group(self, group, params, grads, grad_scale, found_inf) -> None:
+    def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
         hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                      adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
@@ -229,9 +230,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             )
             steps = [s["step"] for s in states]
             if self.capturable:
-                lr = group["lr"]
-                if not isinstance(lr, Tensor):  # set as a number after construction
-                    lr = group["lr"] = self._device_lr(lr, self._device)
+                check_graph_lr(self.param_groups, self._graph_lrs, index)
+                lr = group["lr"] = self._device_lr(group["lr"], self._device)  # a number set after construction
+                if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
+                    self._graph_lrs = [g["lr"] for g in self.param_groups]
                 torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
                 ops.adam_step_capturable_(**lists, lr=lr, steps=steps, found_inf=found_inf, **hyper)
             else:

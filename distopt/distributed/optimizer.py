@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._validation import check_adam_hyperparameters, check_unique_params, is_dense
+from .._validation import check_adam_hyperparameters, check_graph_lr, check_unique_params, is_dense
 from ..grad_scaling import GradScaling
 from . import checkpoint
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
@@ -149,7 +149,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._init_grad_scaling(self.device)
         self._step_count = 0
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
-        self._captured = False  # a step was captured in a CUDA graph: its buffers must stay put
+        self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
         self._layout: Layout | None = None
         self._buckets: list[BucketRuntime] = []
         self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
@@ -315,7 +315,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._grads.zero_stale_shards()
 
         found_inf = None
-        if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
+        if grad_scaler is not None:
             found_inf = self._settle_with_scaler(grad_scaler)
         else:
             self._catch_up_with_scaler()
@@ -344,11 +344,19 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                          adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
             if self.capturable:
-                lr = group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(self.device)
+                lr = self._graph_safe_lr(group_index)
                 ops.adam_step_capturable_(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]),
                                           found_inf=found_inf, **hyper)
             else:
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, **hyper)
+
+    def _graph_safe_lr(self, index: int) -> Tensor:
+        """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""
+        check_graph_lr(self.param_groups, self._graph_lrs, index)
+        lr = self.param_groups[index]["lr"]
+        if not isinstance(lr, Tensor) or lr.device != self.device:
+            lr = self.param_groups[index]["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(self.device)
+        return lr
 
     def _end_step(self) -> None:
         for b in self._buckets:
@@ -360,7 +368,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             if self._layout is None:
                 raise RuntimeError("DistributedFusedAdam: run a few eager steps before capturing a CUDA graph: "
                                    "the first step builds the bucket layout and allocates the optimizer state")
-            self._captured = True
+            self._graph_lrs = [self._graph_safe_lr(i) for i in range(len(self.param_groups))]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("DistributedFusedAdam.step() is being captured in a CUDA graph: construct the "
                                "optimizer with capturable=True (the eager step reads the inf flag on the host)")

@@ -164,3 +164,24 @@ def test_non_capturable_step_refuses_capture(nccl_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="capturable=True"):
         opt.step()
+
+
+@pytest.mark.parametrize("kind", ["fused", "distributed"])
+def test_replacing_lr_after_capture_is_refused(nccl_group, kind):
+    """After a capture, a new lr object would be ignored by the graph: the next eager step says so."""
+    model = make_model()
+    opt = make_optimizer(kind, model)
+    x, y = batch(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step(model, opt, None, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step(model, opt, None, x, y)
+    graph.replay()
+    opt.param_groups[0]["lr"] = 1e-3  # should have been opt.param_groups[0]["lr"].fill_(1e-3)
+    with pytest.raises(RuntimeError, match="fill_"):
+        train_step(model, opt, None, x, y)
