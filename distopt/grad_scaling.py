@@ -61,10 +61,11 @@ class GradScaling:
         self._clips = []
 
     def _raw_grad_norm(self) -> Tensor:
-        if self._raw_norm is None or self._raw_norm_key != self._grads_key():
+        key = self._grads_key()
+        if self._raw_norm is None or self._raw_norm_key != key:
             sq_and_flag = self._norm_sq_and_flag()
             self._raw_norm = sq_and_flag[0].sqrt()
-            self._raw_norm_key = self._grads_key()  # after the pass: it may synchronise grads first
+            self._raw_norm_key = key
             torch.clamp(sq_and_flag[1], max=1.0, out=self._found_inf)
         return self._raw_norm
 

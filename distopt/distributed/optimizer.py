@@ -376,12 +376,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     # ------------------------------------------------------------------ norms and scaling
 
     def _grads_key(self) -> int:
+        # Reductions still in flight (or not started) would change the shards: land them first, so
+        # the count of landed reductions names the grads the norm sees.
+        self.grad_sync()
+        self._grads.zero_stale_shards()
         return self._grads.version
 
     def _norm_sq_and_flag(self) -> Tensor:
         """[sum of squares, inf/nan count] of the reduced grad shards, summed over the shard group."""
-        self.grad_sync()
-        self._grads.zero_stale_shards()
         flag = torch.zeros(1, dtype=torch.float32, device=self.device)
         total, _ = ops.l2norm([b.state.grad for b in self._buckets], found_inf=flag)
         result = torch.cat([total.square().reshape(1), flag])

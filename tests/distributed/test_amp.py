@@ -204,3 +204,25 @@ def test_grad_norm_is_cached_and_global():
 
     norms = run_ranks(check, 2)
     assert norms[0] == norms[1]
+
+
+def test_grad_norm_follows_new_micro_batches():
+    """Syncing every micro-batch: a norm taken after the second backward covers both (the cache must
+    not return the first micro-batch's norm while the second's reductions are in flight)."""
+
+    def check(rank, world_size):
+        model, ref_model = make_model(), make_model()
+        ref = DDP(ref_model)
+        opt = DistributedFusedAdam(model.parameters())
+        norms = []
+        for micro in range(2):
+            x = torch.randn(4, 10, generator=torch.Generator().manual_seed(10 * micro + rank))
+            model(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref_model.parameters()]))
+            norms.append(opt.grad_norm().item())
+            torch.testing.assert_close(opt.grad_norm(), expected, rtol=1e-5, atol=0)
+        return norms
+
+    first, second = run_ranks(check, 2)[0]
+    assert first != second
