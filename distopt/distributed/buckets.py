@@ -102,14 +102,19 @@ class BucketRuntime:
     def grad_view(self, piece: Piece) -> Tensor:
         return self.grad_buffer[piece.bucket_offset : piece.bucket_offset + piece.numel]
 
-    def accumulate(self, piece: Piece, flat_grad: Tensor) -> None:
-        """Adds one piece of a param's grad (flat, memory order) into the bucket."""
-        assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
+    def _open_window(self) -> None:
+        """A zeroed grad buffer for a new accumulation window: params that send nothing, and the
+        padding, reduce as zeros."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
         elif self.fresh:
             self.grad_buffer.zero_()
         self.fresh = False
+
+    def accumulate(self, piece: Piece, flat_grad: Tensor) -> None:
+        """Adds one piece of a param's grad (flat, memory order) into the bucket."""
+        assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
+        self._open_window()
         src = flat_grad[piece.param_offset : piece.param_offset + piece.numel]
         view = self.grad_view(piece)
         if view.data_ptr() == src.data_ptr():
@@ -127,11 +132,7 @@ class BucketRuntime:
     def launch_reduce_scatter(self, comm: Comm, divide_by: int) -> None:
         """Averages (divides by the data-parallel size, as DDP does, before summing) and starts the
         reduce-scatter. Params that sent no grad count as zero (the buffer was zeroed)."""
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
-        elif self.fresh:
-            self.grad_buffer.zero_()
-        self.fresh = False
+        self._open_window()
         if divide_by != 1:
             self.grad_buffer.div_(divide_by)
         state = self.state
@@ -141,10 +142,6 @@ class BucketRuntime:
             self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
         self._rs_work = comm.reduce_scatter(self._rs_out, self.grad_buffer, self.index)
         self.launched = True
-
-    @property
-    def in_flight(self) -> bool:
-        return self._rs_work is not None
 
     def finish_reduce_scatter(self, comm: Comm) -> None:
         """Waits for the reduction, folds it into the fp32 grad shard, releases the buffer."""
