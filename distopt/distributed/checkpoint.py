@@ -145,12 +145,15 @@ def load_state_dict(opt: DistributedFusedAdam, sd: dict[str, Any]) -> None:
         warnings.warn(f"params were saved at different steps {sorted(steps)}; resuming at {max(steps)} "
                       "(this optimizer steps all params together)", stacklevel=3)
 
+    in_memory_order: dict[tuple[int, str], Tensor] = {}  # each saved tensor laid out like its param, once
+
     def source(g: int, key: str, offset: int, numel: int) -> Tensor | None:
         t = per_param.get(g, {}).get(key)
         if t is None:
             return None
-        in_layout = torch.empty_like(by_global[g], dtype=torch.float32, device="cpu").copy_(t)
-        return flat(in_layout)[offset : offset + numel]
+        if (g, key) not in in_memory_order:
+            in_memory_order[g, key] = flat(torch.empty_like(by_global[g], dtype=torch.float32, device="cpu").copy_(t))
+        return in_memory_order[g, key][offset : offset + numel]
 
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
 
