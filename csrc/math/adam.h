@@ -49,7 +49,9 @@ DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
 
 // One Adam/AdamW update of a single element; g is already multiplied by the grad scale.
 DISTOPT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoeffs& c) {
-  if (c.l2 != 0.0f) g = g + c.l2 * p;
+  // Unconditional (l2 is 0 in AdamW mode): adding 0 * p leaves g unchanged for any finite param
+  // (even a -0 gradient ends as the same moments), and a branch here stops the CPU loop vectorizing.
+  g = g + c.l2 * p;
   m = m + c.one_minus_beta1 * (g - m);  // torch.lerp for weight < 0.5
   v = v * c.beta2 + c.one_minus_beta2 * g * g;
   p = p * c.decay;
