@@ -72,6 +72,11 @@ TOLERANCE = {
     torch.bfloat16: dict(rtol=2**-6, atol=1e-5),
     torch.float16: dict(rtol=2**-9, atol=1e-6),
 }
+# Updated params, though, may differ by a fraction of one step: Adam's m / (sqrt(v) + eps) is ill-
+# conditioned where |grad| is near eps, so a last-bit difference upstream (the clip norm summed in
+# another order) moves such an element visibly. Among millions of random elements a few always are.
+# 1% of lr still catches any wrong hyperparameter, which moves every element by a large part of lr.
+PARAM_ATOL = 1e-2 * LR
 
 
 @dataclass(frozen=True)
@@ -270,7 +275,7 @@ def make_pipeline(mix: Mix, sizes: Sequence[int], device: torch.device) -> Pipel
     def check() -> None:
         distopt_step()
         torch_step()
-        _assert_close(d.masters(), masters, "masters")
+        _assert_close(d.masters(), masters, "masters", atol=PARAM_ATOL)
         _assert_close(d.outs, t.outs, "param_outs")
         _assert_close(d.exp_avgs + d.exp_avg_sqs, t.exp_avgs + t.exp_avg_sqs, "moments")
         _assert_close([d_inf], [t_inf], "found_inf")
@@ -278,11 +283,13 @@ def make_pipeline(mix: Mix, sizes: Sequence[int], device: torch.device) -> Pipel
     return Pipeline(distopt_step, torch_step, torch_setup if pristine else None, check, note)
 
 
-def _assert_close(actual: Sequence[Tensor], expected: Sequence[Tensor], what: str) -> None:
-    """Elementwise comparison at the tolerance of each actual tensor's dtype."""
+def _assert_close(actual: Sequence[Tensor], expected: Sequence[Tensor], what: str, atol: float = 0.0) -> None:
+    """Elementwise comparison at the tolerance of each actual tensor's dtype (atol at least `atol`)."""
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        tol = dict(TOLERANCE[a.dtype])
+        tol["atol"] = max(tol["atol"], atol)
         try:
-            torch.testing.assert_close(a.float(), e.float(), **TOLERANCE[a.dtype])
+            torch.testing.assert_close(a.float(), e.float(), **tol)
         except AssertionError as exc:
             raise AssertionError(f"{what}[{i}] differs from torch: {exc}") from None
 
@@ -356,7 +363,7 @@ class Bench:
         def check() -> None:
             distopt_update(s)
             opt.step()
-            _assert_close(s.masters(), masters, "params")
+            _assert_close(s.masters(), masters, "params", atol=PARAM_ATOL)
             _assert_close(s.outs, [p.to(mix.out) for p in masters] if mix.out else [], "param_outs")
             _assert_close(s.exp_avgs + s.exp_avg_sqs, t.exp_avgs + t.exp_avg_sqs, "moments")
 
