@@ -109,12 +109,10 @@ class GradScaling:
             raise ValueError("unscale_grads needs a grad_scaler or an inv_scale")
 
     def _fold_unscale(self, inv: float | Tensor) -> None:
-        inv = torch.as_tensor(inv, dtype=torch.float32).to(self._inv_scale.device)
+        # A number or a device tensor: never a host-to-device copy, which CUDA-graph capture forbids.
+        self._inv_scale.mul_(inv)
         if self._clips:  # clipped before the scale was known: redo the clips with it
-            self._inv_scale.mul_(inv)
             self._redo_clips()
-        else:
-            self._inv_scale.mul_(inv)
         self._unscaled = True
 
     def _redo_clips(self) -> None:
