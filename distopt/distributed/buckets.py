@@ -68,6 +68,7 @@ class BucketRuntime:
         param_dtype: torch.dtype,
         contiguous_grad_buffer: bool,
         contiguous_param_buffer: bool,
+        keep_param_buffer: bool = False,
     ) -> None:
         self.index = index
         self.spec = spec
@@ -78,6 +79,8 @@ class BucketRuntime:
         self.param_dtype = param_dtype
         self.contiguous_grad = contiguous_grad_buffer
         self.contiguous_param = contiguous_param_buffer
+        # A CUDA graph that gathers in the next forward reads the buffer its step wrote: it must stay.
+        self.keep_param_buffer = contiguous_param_buffer or keep_param_buffer
         self.params = frozenset(p.param for p in spec.pieces)
         self.state: ShardState | None = None
         self.runs: list[tuple[int, int, int]] = []  # (param group, start, end) in the shard
@@ -202,7 +205,8 @@ class BucketRuntime:
             srcs = [self.param_buffer[p.bucket_offset : p.bucket_offset + p.numel] for p in pieces]
             dsts = [flat(params[p.param])[p.param_offset : p.param_offset + p.numel] for p in pieces]
             ops.cast_copy_(srcs, dsts, skip_if=skip_if)
-            self.param_buffer = None
+            if not self.keep_param_buffer:
+                self.param_buffer = None
 
     def bind_params(self, params: list[Tensor]) -> None:
         """contiguous_param_buffer: makes each param a view of the buffer (values copied in first)."""

@@ -69,6 +69,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
         with no host synchronisation anywhere, so a whole training step (backward with its
         reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
+        With overlap_param_sync the param buffers then stay allocated between steps (the graph's
+        forward gathers what its step wrote).
 
     Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
     ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
@@ -257,7 +259,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         for index, spec in enumerate(self._layout.buckets):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
-                              param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer)
+                              param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
+                              keep_param_buffer=self.capturable and self.overlap_param_sync)
             b.state = ShardState.zeros(spec.shard_numel, self.device,
                                        master=self._stores_master(param_dtype, model_dtype),
                                        remainders=self._stores_remainders(param_dtype, model_dtype))
@@ -459,7 +462,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             report["grad_shard"] += nbytes(s.grad)
             if self.contiguous_grad_buffer:
                 report["buffers"] += nbytes(b.grad_buffer)
-            if self.contiguous_param_buffer:
+            if b.keep_param_buffer:  # contiguous, or kept for a captured graph (allocated at the first step)
                 report["buffers"] += nbytes(b.param_buffer)
         report["total"] = sum(report.values())
         return report
