@@ -153,6 +153,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
         self._layout: Layout | None = None
+        self._layout_numels: list[int] = []  # each param's size when the layout was built
         self._buckets: list[BucketRuntime] = []
         self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
                                average_grad_sync)
@@ -245,6 +246,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         layout = plan_layout([p.numel() for p in params], self.comm.dist_size, bucket_numel, keys)
         # Pieces name params by position in `order`; translate to indices into self._params.
         self._layout = _reindex(layout, order)
+        self._layout_numels = [sum(piece.numel for piece in pieces) for pieces in self._layout.param_pieces]
         if self._layout.utilization() < 0.5:
             warnings.warn(
                 f"DistributedFusedAdam: buckets are only {100 * self._layout.utilization():.0f}% params "
@@ -394,12 +396,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         return result
 
     def _check_param_shapes(self) -> None:
-        if self._layout is None:
-            return
-        for i, p in enumerate(self._params):
-            if p.numel() != sum(piece.numel for piece in self._layout.param_pieces[i]):
+        for i, (p, numel) in enumerate(zip(self._params, self._layout_numels)):
+            if p.numel() != numel:
                 raise RuntimeError(f"param {i} changed size after the bucket layout was built "
-                                   f"({p.numel()} elements now)")
+                                   f"({p.numel()} elements now, {numel} in the layout)")
 
     def _kernel_lists(self) -> dict[tuple, dict[str, list[Tensor]]]:
         """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
