@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused kernels take
 
 
 def _number(x: float | Tensor) -> float:
@@ -63,3 +66,17 @@ def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int
             f"param_groups[{index}]['lr'] was replaced after a step was captured in a CUDA graph, which keeps "
             "reading the old tensor: change lr in place (group['lr'].fill_(value), as LR schedulers do)"
         )
+
+
+def check_param_tensors(params: list[Tensor], owner: str) -> torch.device | None:
+    """The one device all `params` are on (None for no params); raises for several devices, a dtype
+    the kernels do not take, or a tensor whose elements do not fill its memory once (not dense)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"{owner}: all params must be on one device, got {sorted(map(str, devices))}")
+    for p in params:
+        if p.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{owner}: params must be float32, float16 or bfloat16, got {p.dtype}")
+        if not is_dense(p):
+            raise ValueError(f"{owner}: params must be dense tensors (non-overlapping, no gaps)")
+    return next(iter(devices)) if devices else None

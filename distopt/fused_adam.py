@@ -11,10 +11,14 @@ from torch import Tensor
 
 from . import ops
 from ._state_dicts import check_saved_groups, restore_hyperparameters
-from ._validation import check_adam_hyperparameters, check_graph_lr, check_unique_params, is_dense
+from ._validation import (
+    FLOAT_DTYPES,
+    check_adam_hyperparameters,
+    check_graph_lr,
+    check_param_tensors,
+    check_unique_params,
+)
 from .grad_scaling import GradScaling
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class FusedAdam(GradScaling, torch.optim.Optimizer):
@@ -65,15 +69,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
 
     def _check_params(self, params: list[Tensor]) -> None:
-        devices = {p.device for p in params}
-        if len(devices) > 1:
-            raise ValueError(f"FusedAdam: all params must be on one device, got {sorted(map(str, devices))}")
-        self._device = next(iter(devices)) if devices else torch.device("cpu")
-        for p in params:
-            if p.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"FusedAdam: params must be float32, float16 or bfloat16, got {p.dtype}")
-            if not is_dense(p):
-                raise ValueError("FusedAdam: params must be dense tensors (non-overlapping, no gaps)")
+        self._device = check_param_tensors(params, "FusedAdam") or torch.device("cpu")
         if self.capturable and self._device.type != "cuda":
             raise ValueError(
                 f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
@@ -127,7 +123,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         g = p.grad
         if g.is_sparse:
             raise RuntimeError("FusedAdam does not support sparse gradients")
-        if g.is_complex() or g.dtype not in _FLOAT_DTYPES:
+        if g.is_complex() or g.dtype not in FLOAT_DTYPES:
             raise RuntimeError(f"FusedAdam: gradients must be float32, float16 or bfloat16, got {g.dtype}")
         if g.shape != p.shape or g.device != p.device:
             raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(g.shape)} on {g.device} does not match "

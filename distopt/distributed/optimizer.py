@@ -10,7 +10,13 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._validation import check_adam_hyperparameters, check_graph_lr, check_unique_params, is_dense
+from .._validation import (
+    FLOAT_DTYPES,
+    check_adam_hyperparameters,
+    check_graph_lr,
+    check_param_tensors,
+    check_unique_params,
+)
 from ..grad_scaling import GradScaling
 from . import checkpoint
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
@@ -18,9 +24,6 @@ from .comm import Comm
 from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, plan_layout
 from .param_sync import ParamSync
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 # GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
 # replacement (attributes) cannot work for an optimizer whose grads the scaler never sees.
@@ -116,7 +119,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if dtype != torch.float32:
             raise ValueError(f"DistributedFusedAdam keeps optimizer state in float32; dtype={dtype} is not supported")
         for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
-            if value is not None and value not in _FLOAT_DTYPES:
+            if value is not None and value not in FLOAT_DTYPES:
                 raise ValueError(f"{name} must be float32, float16, bfloat16 or None, got {value}")
         if bucket_cap_mb <= 0 or pipeline_size < 1:
             raise ValueError(f"bucket_cap_mb must be > 0 and pipeline_size >= 1, got {bucket_cap_mb}, {pipeline_size}")
@@ -165,10 +168,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         check_unique_params([p for g in self.param_groups for p in g["params"]])
         if not self._params:
             raise ValueError("DistributedFusedAdam got no trainable params (all have requires_grad=False)")
-        devices = {p.device for p in self._params}
-        if len(devices) > 1:
-            raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop()
+        self.device = check_param_tensors(self._params, "DistributedFusedAdam")
         expected = self.comm.device_type()
         if expected is not None and self.device.type != expected:
             raise ValueError(
@@ -180,10 +180,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             raise ValueError("store_param_remainders applies to bfloat16 params synchronised in bfloat16; "
                              "there are none")
         for p in self._params:
-            if p.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"params must be float32, float16 or bfloat16, got {p.dtype}")
-            if not is_dense(p):
-                raise ValueError("params must be dense tensors (non-overlapping, no gaps)")
             if self.store_params is False and self._param_dtype(p) != p.dtype:
                 raise ValueError("store_params=False uses the model params as masters: param_sync_dtype must be "
                                  f"the param dtype ({p.dtype})")
