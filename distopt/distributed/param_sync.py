@@ -3,58 +3,223 @@
 After a step every bucket's param buffer holds this rank's updated slice. Either all buckets are
 gathered at once (blocking), or, with ``overlap_param_sync``, each waits for the forward pass: one
 global forward pre-hook (torch's public ``register_module_forward_pre_hook``: the optimizer needs no
-model, and ``Parameter`` is not patched) gathers, before any module that owns our params runs, the
-buckets holding them. Gathers are launched in descending bucket order (buckets follow backward
-order, so that is forward order) with the next one prefetched, so every rank issues the same
-collectives in the same order whichever module asks first.
+model, and ``Parameter`` is not patched) gathers, before a module runs, the buckets holding the
+params it owns. Gathers are launched in descending bucket order (buckets follow backward order, so
+that is forward order) with the next one prefetched, so every rank issues the same collectives in the
+same order whichever module asks first.
+
+Note [no stale reads with overlap_param_sync]
+A forward must never read a param whose updated value has not been gathered yet. Before a module
+runs, the buckets holding the params it *needs* are gathered (with every bucket above them: forward
+order). What a module needs is learnt once, by watching the first forward after the optimizer is
+built: from each module's pre-hook to the next, a TorchFunctionMode records the params that torch
+functions receive, so a module needs its own params, those of parameter containers below it
+(``nn.ParameterList``/``nn.ParameterDict``, whose forward never runs) and whatever it (or code right
+after it) reads functionally, such as another module's weight in ``F.linear(x, other.weight)``. A
+compiled module (``torch.compile(model)`` returns a wrapper; inside the traced code our hooks do
+nothing) needs everything beneath it; a whole compiled training step reads params the same way, so
+call ``opt.param_sync()`` before it.
+
+Params that get a gradient but were never seen (read outside any module, before or after it) are
+*orphans*: ``step()`` gathers their buckets at once, with the buckets above them, since gathers
+always go in descending order; that keeps every rank's collectives in one order whatever each rank
+learnt. If a gradient arrives for a param whose bucket was not gathered since the last step, the
+forward provably read a stale value (a dynamic model, a model compiled in place): that raises,
+naming the param and the remedy. A gather that lands after a read bumps the param's version counter,
+so autograd refuses a backward through a stale value it saved ("modified by an inplace operation").
+Only a read that saves nothing for backward (an addition) in a forward that differs from the watched
+one, whose gather lands later in the same forward, escapes all three.
+
+A state-dict pre-hook on every module holding our params finishes the pending gathers, so
+``model.state_dict()`` right after ``step()`` holds the updated params.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .buckets import BucketRuntime
 from .comm import Comm
 from .layout import Layout
 
+try:  # the wrapper torch.compile(module) returns
+    from torch._dynamo.eval_frame import OptimizedModule
+except ImportError:  # pragma: no cover - torch without dynamo
+    OptimizedModule = ()
+
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+
+
+def _owned(module: nn.Module) -> Iterator[Tensor]:
+    """The params that must be current before `module` runs (see the Note)."""
+    if isinstance(module, OptimizedModule):
+        yield from module.parameters()
+        return
+    yield from module.parameters(recurse=False)
+    for child in module.children():
+        if isinstance(child, _CONTAINERS):
+            yield from _owned(child)
+
+
+class StaleParamError(RuntimeError):
+    """A forward read a param before its updated value was gathered (overlap_param_sync)."""
+
+
+class _UseRecorder(TorchFunctionMode):
+    """Reports every param that a torch function receives (the observed forward only)."""
+
+    def __init__(self, sync: ParamSync) -> None:
+        super().__init__()
+        self.sync = sync
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, Tensor):
+                    self.sync._used(t)
+        return func(*args, **kwargs)
+
 
 class ParamSync:
-    def __init__(self, comm: Comm, params: list[Tensor], layout: Layout, buckets: list[BucketRuntime],
-                 overlap: bool) -> None:
+    def __init__(self, comm: Comm, params: list[Tensor], overlap: bool) -> None:
         self.comm = comm
         self.params = params
-        self.buckets = buckets
+        self.index = {p: i for i, p in enumerate(params)}
         self.overlap = overlap
+        self.buckets: list[BucketRuntime] = []
+        self.first_bucket: list[int] = []  # per param: the first bucket holding it
         self.pending: list[int] = []  # buckets still to gather, with overlap
         self.skip_if: Tensor | None = None  # capturable: the step was skipped, copy nothing back
-        self._hook = None
+        self.seen: set[int] = set()  # params some module needs (see the Note)
+        self.orphans: set[int] = set()  # params that got a grad without being seen
+        self._orphan_bucket: int | None = None  # lowest bucket holding an orphan
+        self._needs: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()
+        self._observe = overlap  # the next forward is watched
+        self._recorder: _UseRecorder | None = None
+        self._observed_root: nn.Module | None = None
+        self._current: set[int] | None = None  # the needs of the module that ran last (observed forward)
+        self._observed_ours = False  # the watched forward touched our params
+        self._handles: list[Any] = []
         if overlap:
-            first_bucket = {p: min(piece.bucket for piece in layout.param_pieces[i]) for i, p in enumerate(params)}
             this = weakref.ref(self)
 
+            # Inside a region torch.compile traces, the hooks do nothing (and break no graph): the
+            # compiled module's own wrapper gathered everything before it ran (see the Note).
             def pre_hook(module: nn.Module, args) -> None:
                 sync = this()
-                if sync is None or not sync.pending:
-                    return
-                needed = [first_bucket[p] for p in module.parameters(recurse=False) if p in first_bucket]
-                if needed and min(needed) <= max(sync.pending):
-                    sync.comm.event("forward_wait", min(needed))
-                    sync.gather_through(min(needed))
+                if sync is not None and not torch.compiler.is_compiling():
+                    sync._before_forward(module)
 
-            self._hook = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+            def post_hook(module: nn.Module, args, output) -> None:
+                sync = this()
+                if sync is not None and module is sync._observed_root and not torch.compiler.is_compiling():
+                    sync._stop_observing()
+
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
+            self._handles.append(nn.modules.module.register_module_forward_hook(post_hook, always_call=True))
+
+    def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
+        self.buckets = buckets
+        self.first_bucket = [min(piece.bucket for piece in pieces) for pieces in layout.param_pieces]
+        self._update_orphan_bucket()
+
+    # ------------------------------------------------------------------ forward hooks
+
+    def _before_forward(self, module: nn.Module) -> None:
+        needs = self._needs.get(module)
+        if needs is None:
+            needs = self._first_sight(module)
+        if self._observe and self._recorder is None and not isinstance(module, OptimizedModule):
+            self.finish()  # the watched forward learns what each module needs: it must read current params
+            self._observed_root = module
+            self._recorder = _UseRecorder(self)
+            self._recorder.__enter__()
+        if self._recorder is not None:
+            self._current = needs
+            self._observed_ours = self._observed_ours or bool(needs)
+        if not self.pending:
+            return
+        if needs and self.first_bucket:
+            self._gather_for(min(self.first_bucket[i] for i in needs), "forward_wait")
+
+    def _used(self, t: Tensor) -> None:
+        i = self.index.get(t)
+        if i is not None and self._current is not None and i not in self._current:
+            self._current.add(i)
+            self.seen.add(i)
+            self._observed_ours = True
+
+    def _stop_observing(self) -> None:
+        recorder, self._recorder, self._observed_root, self._current = self._recorder, None, None, None
+        self._observe = not self._observed_ours  # a forward of another model: watch the next one
+        recorder.__exit__(None, None, None)
+
+    def _first_sight(self, module: nn.Module) -> set[int]:
+        needs = {self.index[p] for p in _owned(module) if p in self.index}
+        self._needs[module] = needs
+        self.seen.update(needs)
+        if any(p in self.index for p in module.parameters()):
+            this = weakref.ref(self)
+
+            def state_dict_pre_hook(*args, **kwargs) -> None:
+                sync = this()
+                if sync is not None:
+                    sync.finish()
+
+            # a compiled wrapper's inner modules never run eagerly: hook the module it wraps too
+            for m in (module, *module.children()) if isinstance(module, OptimizedModule) else (module,):
+                self._handles.append(m.register_state_dict_pre_hook(state_dict_pre_hook))
+        return needs
+
+    def _gather_for(self, bucket: int, event: str) -> None:
+        if bucket <= max(self.pending):
+            self.comm.event(event, bucket)
+            self.gather_through(bucket)
+
+    def check_fresh(self, i: int) -> None:
+        """Called as param `i`'s gradient arrives: learns orphans, refuses a gradient computed from a
+        stale value (see the Note)."""
+        if not self.overlap:
+            return
+        if self.first_bucket and self.first_bucket[i] in self.pending:
+            p = self.params[i]
+            raise StaleParamError(
+                f"DistributedFusedAdam(overlap_param_sync=True): param {i} (shape {tuple(p.shape)}, {p.dtype}) got a "
+                "gradient from a forward that read it before its updated value was gathered after the last step(), "
+                "so that forward used the stale pre-step value. This happens when a param is read before any "
+                "module runs, when the forward differs from the first one watched (a dynamic model), or with a "
+                "model compiled in place (module.compile()). Call opt.param_sync() before such a forward, or "
+                "construct the optimizer with overlap_param_sync=False."
+            )
+        if i not in self.seen and i not in self.orphans:
+            self.orphans.add(i)
+            self._update_orphan_bucket()
+
+    def _update_orphan_bucket(self) -> None:
+        if self.first_bucket and self.orphans:
+            self._orphan_bucket = min(self.first_bucket[i] for i in self.orphans)
+
+    # ------------------------------------------------------------------ gathers
 
     def after_step(self, skip_if: Tensor | None) -> None:
         """The update wrote every bucket's local slice: gather now, or leave it to the next forward."""
         self.skip_if = skip_if
         if self.overlap:
             self.pending = list(range(len(self.buckets)))
+            if self._orphan_bucket is not None:  # read with no module to wait in: gather now
+                self._gather_for(self._orphan_bucket, "step_gathers_orphans")
             return
         for b in self.buckets:
             b.launch_gather(self.comm)
         for b in self.buckets:
-            b.finish_gather(self.comm, self.params, skip_if)
+            self._finish(b)
 
     def finish(self) -> None:
         """Completes every deferred gather."""
@@ -73,13 +238,19 @@ class ParamSync:
         for index in sorted(self.pending, reverse=True):
             if index < last:
                 break
-            self.buckets[index].finish_gather(self.comm, self.params, self.skip_if)
+            self._finish(self.buckets[index])
             self.pending.remove(index)
 
+    def _finish(self, bucket: BucketRuntime) -> None:
+        """Lands a gather in the params and bumps their version counters, as an in-place update by a
+        torch optimizer does: autograd then refuses a backward through a value read before it landed."""
+        bucket.finish_gather(self.comm, self.params, self.skip_if)
+        torch.autograd.graph.increment_version([self.params[i] for i in sorted(bucket.params)])
+
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def __del__(self) -> None:
         self.close()
