@@ -10,12 +10,20 @@ when backward ends (an autograd end-of-backward callback, as DDP uses) by starti
 zeros for params that got no grad. Every rank therefore issues the same collectives in the same
 order, whatever its data. At most ``pipeline_size`` reductions are in flight; the oldest is waited
 for before another starts.
+
+A backward that raises never runs its end-of-backward callback, so its round stays open. Both ways
+out close it by launching the buckets it had not launched, so every rank still issues the same
+collectives whichever point its backward reached: ``zero_grad()`` (the caught exception is dropped
+with its partial gradients: the next step is the one a run that skipped the iteration would take),
+or the next ``sync()`` when training goes on without ``zero_grad()`` (the partial gradients stay
+accumulated, as torch leaves them in ``.grad``). If only some ranks fail, the others have already
+stepped: as with DDP the ranks no longer agree on what comes next, and the job must restart.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -48,6 +56,7 @@ class GradSync:
         self._needs_round = False
         self._in_flight: list[BucketRuntime] = []
         self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
+        self.on_grad: Callable[[int], None] | None = None  # told of each param's grad before it is taken
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
@@ -65,6 +74,8 @@ class GradSync:
 
     def _hook(self, p: Tensor) -> None:
         i = self.index[p]
+        if self.on_grad is not None:
+            self.on_grad(i)
         if self.layout is None:
             if i not in self._arrived:
                 self._arrived.add(i)
@@ -136,7 +147,8 @@ class GradSync:
 
     def sync(self) -> None:
         """Starts the reduce-scatters backward did not (in bucket order) and waits for all."""
-        if self._needs_round:
+        if self._needs_round or self._round_open:  # open: a backward raised and its round was never closed
+            self._round_open = False
             self._launch_remaining()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
@@ -151,7 +163,11 @@ class GradSync:
 
     def clear(self) -> None:
         """Drops every gradient: in flight (finished first: collectives cannot be cancelled),
-        accumulated in buckets, reduced into shards, and in .grad."""
+        accumulated in buckets, reduced into shards, and in .grad. A round left open by a backward
+        that raised is completed first, so every rank issues the same collectives."""
+        if self._round_open:
+            self._round_open = False
+            self._launch_remaining()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         for b in self.buckets:
