@@ -1,9 +1,14 @@
 """What FusedAdam and DistributedFusedAdam share when loading a state dict: checking the saved
-param groups against the optimizer's, and restoring their hyperparameters."""
+param groups against the optimizer's, restoring their hyperparameters, and the per-tensor CRC-32
+checksums that catch a corrupted state dict before it is loaded."""
 
 from __future__ import annotations
 
+import ctypes
+import zlib
 from typing import Any
+
+from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
 
@@ -18,6 +23,10 @@ def check_saved_groups(groups: list[dict[str, Any]], saved_groups: Any) -> None:
     if len(saved_groups) != len(groups):
         raise ValueError(f"the checkpoint has {len(saved_groups)} param groups, the optimizer {len(groups)}")
     for group, saved in zip(groups, saved_groups):
+        missing = [k for k in ("params", "lr", "betas", "eps", "weight_decay") if not isinstance(saved, dict)
+                   or k not in saved]
+        if missing:
+            raise ValueError(f"not an optimizer state dict: a saved param group lacks {missing}")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"a saved param group has {len(saved['params'])} params, "
                              f"the optimizer's has {len(group['params'])}")
@@ -41,3 +50,44 @@ def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dic
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
+
+
+# ---------------------------------------------------------------------- checksums
+
+CHECKSUMS = "checksums"  # the state dict's top-level key; torch.optim and FusedAdam ignore it
+
+
+def tensor_crc32(t: Tensor) -> int:
+    """CRC-32 of a tensor's bytes in row-major (logical) order: the same for a tensor and any copy
+    of it in another memory format or on another device, different after any change of 1 to 32
+    bits (and, for random damage, with probability 1 - 2**-32)."""
+    t = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    if t.numel() == 0:
+        return 0
+    # A view of the tensor's memory as a buffer (no copy and no numpy needed).
+    return zlib.crc32((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
+def state_checksums(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, int]]:
+    """{param key: {state key: crc32}} for every tensor in an optimizer's per-param state."""
+    return {k: {name: tensor_crc32(v) for name, v in entry.items() if isinstance(v, Tensor)}
+            for k, entry in state.items()}
+
+
+def check_state_checksums(state: dict[Any, dict[str, Any]], checksums: Any) -> None:
+    """Raises ValueError unless every tensor of `state` has its recorded checksum (written by
+    ``state_checksums`` when the state dict was made)."""
+    hint = "(if it was changed on purpose, delete the state dict's 'checksums' entry)"
+    if not isinstance(checksums, dict):
+        raise ValueError(f"the state dict's 'checksums' entry is a {type(checksums).__name__}, not a dict")
+    for k, entry in state.items():
+        recorded = checksums.get(k, checksums.get(str(k)))
+        for name, value in entry.items():
+            if not isinstance(value, Tensor):
+                continue
+            expected = recorded.get(name) if isinstance(recorded, dict) else None
+            if expected is None:
+                raise ValueError(f"state {name!r} of param {k} has no recorded checksum {hint}")
+            if tensor_crc32(value) != expected:
+                raise ValueError(f"state {name!r} of param {k} does not match its checksum: the state dict "
+                                 f"is corrupted {hint}")

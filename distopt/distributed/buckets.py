@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm
 from .layout import Bucket, Fragment, Piece
 
@@ -215,6 +216,47 @@ class BucketRuntime:
             view = self.param_buffer[piece.bucket_offset : piece.bucket_offset + piece.numel]
             view.copy_(flat(p.detach()))
             p.data = view.as_strided(p.shape, p.stride())
+
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def read_state(self, params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's fp32 masters, exp_avg and exp_avg_sq (flat, ``shard_numel`` each). The masters
+        are the stored ones, or else the param slice (read from `params` unless they are views of
+        the buffer) joined with the remainders. The results may alias the state: copy before changing."""
+        s = self.state
+        if s.master is not None:
+            return s.master, s.exp_avg, s.exp_avg_sq
+        if not self.contiguous_param:
+            self.gather_in(params)
+        local = self.param_buffer[self.lo : self.hi]
+        masters = join_bf16_remainder(local, s.remainders) if s.remainders is not None else local.float()
+        return masters, s.exp_avg, s.exp_avg_sq
+
+    def write_state(self, masters: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        """Replaces this rank's shard state and its param-buffer slice (16-bit params and remainders
+        from the fp32 `masters`), in place, so a captured CUDA graph stays valid. The model params
+        change when the slice is next gathered (``ParamSync.after_step``)."""
+        s = self.state
+        local = self.local_param_slice()
+        if s.remainders is not None:
+            hi, lo = split_bf16_remainder(masters)
+            local.copy_(hi)
+            s.remainders.copy_(lo)
+        else:
+            local.copy_(masters)
+        if s.master is not None:
+            s.master.copy_(masters)
+        s.exp_avg.copy_(exp_avg)
+        s.exp_avg_sq.copy_(exp_avg_sq)
+
+    def gather_state(self, comm: Comm, params: list[Tensor]) -> Tensor:
+        """The whole bucket's fp32 masters, exp_avg and exp_avg_sq (3 x bucket numel, on the device),
+        all-gathered from every rank's shard: the per-param state dict reads it through ``spec.pieces``."""
+        local = torch.stack(self.read_state(params))
+        gathered = torch.empty(comm.dist_size * local.numel(), dtype=torch.float32, device=self.device)
+        comm.all_gather(gathered, local.reshape(-1), self.index).wait()
+        return gathered.view(comm.dist_size, 3, -1).transpose(0, 1).reshape(3, -1)
 
 
 def shard_runs(fragments: tuple[Fragment, ...], shard_numel: int, group_of: list[int]) -> list[tuple[int, int, int]]:

@@ -3,42 +3,62 @@
 Two forms, both keyed by a param's position in ``param_groups`` (torch's convention):
 
 * ``state_dict()``: per param, the fp32 master ``param``, ``exp_avg`` and ``exp_avg_sq`` in the
-  param's logical shape (on the CPU), and ``step``; plus ``param_groups``. It is torch.optim.AdamW's
-  format with one more key (``param``), so it loads into AdamW and FusedAdam, and theirs load here.
-  It is assembled bucket by bucket (one all-gather of the bucket's shards at a time), so the extra
-  device memory stays near one bucket.
-* ``save(opt, path)`` / ``load(opt, path)``: sharded through ``torch.distributed.checkpoint``: each
-  rank writes only the contiguous ranges of each param it owns, in the param's memory order; on
-  load each rank reads just the saved ranges that overlap its new ones.
+  param's logical shape (on the CPU), and ``step``; plus ``param_groups`` and ``checksums`` (the
+  CRC-32 of every state tensor). It is torch.optim.AdamW's format with one more state key
+  (``param``) and two top-level keys that AdamW and FusedAdam ignore, so it loads into both, and
+  theirs (which have no checksums) load here. It is assembled bucket by bucket (one all-gather of
+  the bucket's shards at a time), so the extra device memory stays near one bucket.
+* ``save(opt, path, extra)`` / ``load(opt, path, extra)``: sharded through
+  ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
+  owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
+  every tensor in `extra`; on load each rank reads just the saved ranges that overlap its new ones.
 
-Loading checks everything first (format, param count, shapes, coverage) and changes nothing on a
-mismatch. It then rewrites the optimizer state in place (a captured CUDA graph stays valid) and the
-model params from the fp32 masters, so the model must be loaded first or with the same checkpoint.
+Loading is all or nothing. It checks the format, param count, shapes, coverage and (where the
+checkpoint has them) the checksums of everything it reads, into fresh tensors, on every rank,
+before changing anything: a truncated, garbled or bit-flipped checkpoint is refused with a
+ValueError on every rank and the optimizer and `extra` are left exactly as they were. Only then
+does it copy `extra` into the caller's tensors and rewrite the optimizer state in place (a
+captured CUDA graph stays valid) and the model params from the fp32 masters, so the model must be
+loaded first or with the same checkpoint. A state dict that was edited on purpose loads once its
+``checksums`` entry is deleted.
+
+Checkpoints without checksums are accepted unverified: torch's and FusedAdam's state dicts, and
+sharded checkpoints of the first format (``distopt.sharded.v1``, with a warning), which still get
+every other check and the all-or-nothing load.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: catch it by name
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
-from .._state_dicts import check_saved_groups, restore_hyperparameters
-from ..reference import join_bf16_remainder, split_bf16_remainder
+from .._state_dicts import (
+    CHECKSUMS,
+    check_saved_groups,
+    check_state_checksums,
+    restore_hyperparameters,
+    state_checksums,
+    tensor_crc32,
+)
 from .buckets import BucketRuntime, flat
-
-if TYPE_CHECKING:
-    from .optimizer import DistributedFusedAdam
+from .comm import Comm
 
 FORMAT = "distopt.per_param.v1"
-SHARDED_FORMAT = "distopt.sharded.v1"
+SHARDED_FORMAT = "distopt.sharded.v2"
+UNVERIFIED_SHARDED_FORMAT = "distopt.sharded.v1"  # before checksums
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+)\.(param|exp_avg|exp_avg_sq)\.(\d+)$")
 
@@ -47,13 +67,25 @@ _FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+)\.(param|exp_avg|exp_avg_sq)\.(
 Source = Callable[[int, str, int, int], Tensor | None]
 
 
-def global_indices(opt: DistributedFusedAdam) -> list[int]:
-    """The param_groups position (torch's state-dict index) of each trainable param."""
-    positions = {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    return [positions[p] for p in opt._params]
+class ShardedOptimizer(Protocol):
+    """All that checkpoints use of DistributedFusedAdam (the 'checkpoints' section of its class)."""
+
+    param_groups: list[dict[str, Any]]
+    comm: Comm
+    step_count: int
+
+    def checkpoint_params(self) -> list[Tensor]: ...
+
+    def checkpoint_indices(self) -> list[int]: ...
+
+    def shard_buckets(self, build: bool = True) -> list[BucketRuntime]: ...
+
+    def publish_params(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
-def _groups_out(opt: DistributedFusedAdam) -> list[dict[str, Any]]:
+def _groups_out(opt: ShardedOptimizer) -> list[dict[str, Any]]:
     out, start = [], 0
     for g in opt.param_groups:
         entry = {k: v for k, v in g.items() if k != "params"}
@@ -64,83 +96,74 @@ def _groups_out(opt: DistributedFusedAdam) -> list[dict[str, Any]]:
     return out
 
 
-def _step(opt: DistributedFusedAdam) -> int:
-    return int(opt._step_tensor.item()) if opt.capturable else opt._step_count
-
-
-def _local_masters(b: BucketRuntime, params: list[Tensor]) -> Tensor:
-    """This rank's fp32 master values of bucket `b` (from the masters, remainders or params)."""
-    s = b.state
-    if s.master is not None:
-        return s.master
-    if not b.contiguous_param:
-        b.gather_in(params)
-    local = b.param_buffer[b.lo : b.hi]
-    return join_bf16_remainder(local, s.remainders) if s.remainders is not None else local.float()
-
-
 # ---------------------------------------------------------------------- full state dict
 
 
-def state_dict(opt: DistributedFusedAdam, gather_on_rank0: bool = False) -> dict[str, Any] | None:
+def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False) -> dict[str, Any] | None:
     """The per-param form, on every rank (or on rank 0 only: other ranks return None)."""
-    opt.param_sync()
     keep = not gather_on_rank0 or dist.get_rank(opt.comm.process_group) == 0
+    buckets = opt.shard_buckets(build=False)
+    params = opt.checkpoint_params()
     state: dict[int, dict[str, Tensor]] = {}
-    if opt._layout is not None:
-        flat_state = {i: {k: torch.empty(p.numel(), dtype=torch.float32) for k in STATE_KEYS}
-                      for i, p in enumerate(opt._params)} if keep else {}
-        for b in opt._buckets:
-            local = torch.stack([_local_masters(b, opt._params), b.state.exp_avg, b.state.exp_avg_sq])
-            gathered = torch.empty(opt.comm.dist_size * local.numel(), dtype=torch.float32, device=opt.device)
-            opt.comm.all_gather(gathered, local.reshape(-1), b.index).wait()
+    if buckets:
+        flat_state = {i: torch.empty(3, p.numel(), dtype=torch.float32) for i, p in enumerate(params)} if keep else {}
+        for b in buckets:
+            whole = b.gather_state(opt.comm, params)
             if not keep:
                 continue
-            whole = gathered.view(opt.comm.dist_size, 3, -1).transpose(0, 1).reshape(3, -1).cpu()
+            whole = whole.cpu()
             for piece in b.spec.pieces:
-                for k, key in enumerate(STATE_KEYS):
-                    dst = flat_state[piece.param][key][piece.param_offset : piece.param_offset + piece.numel]
-                    dst.copy_(whole[k, piece.bucket_offset : piece.bucket_offset + piece.numel])
-        step = torch.tensor(float(_step(opt)))
-        for i, g in enumerate(global_indices(opt)):
-            if keep:
-                p = opt._params[i]
-                entry = {}
-                for key, values in flat_state[i].items():  # memory order -> a tensor of the param's shape
-                    t = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32)
-                    flat(t).copy_(values)
-                    entry[key] = t
-                state[g] = {"step": step.clone(), **entry}
-    return {"state": state, "param_groups": _groups_out(opt), "format": FORMAT} if keep else None
+                dst = flat_state[piece.param][:, piece.param_offset : piece.param_offset + piece.numel]
+                dst.copy_(whole[:, piece.bucket_offset : piece.bucket_offset + piece.numel])
+        step = torch.tensor(float(opt.step_count))
+        for i, g in enumerate(opt.checkpoint_indices() if keep else []):
+            p, entry = params[i], {"step": step.clone()}
+            for k, key in enumerate(STATE_KEYS):  # memory order -> a tensor of the param's shape
+                t = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32)
+                flat(t).copy_(flat_state[i][k])
+                entry[key] = t
+            state[g] = entry
+    if not keep:
+        return None
+    return {"state": state, "param_groups": _groups_out(opt), "format": FORMAT, CHECKSUMS: state_checksums(state)}
 
 
-def load_state_dict(opt: DistributedFusedAdam, sd: dict[str, Any]) -> None:
+def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Loads the per-param form, or a torch.optim.AdamW/Adam or FusedAdam state dict."""
     fmt = sd.get("format") if isinstance(sd, dict) else None
-    if not isinstance(sd, dict) or fmt not in (FORMAT, None) or "state" not in sd or "param_groups" not in sd:
+    if not isinstance(sd, dict) or fmt not in (FORMAT, None) or not isinstance(sd.get("state"), dict) \
+            or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict this optimizer can load (format {fmt!r}; expected "
                          f"{FORMAT!r} or a torch.optim state dict with 'state' and 'param_groups')")
     check_saved_groups(opt.param_groups, sd["param_groups"])
-    index = global_indices(opt)
-    by_global = {g: opt._params[i] for i, g in enumerate(index)}
+    params = opt.checkpoint_params()
+    by_global = {g: params[i] for i, g in enumerate(opt.checkpoint_indices())}
     per_param: dict[int, dict[str, Tensor]] = {}
     steps = set()
     for key, entry in sd["state"].items():
-        g = int(key)
+        try:
+            g = int(key)
+        except (TypeError, ValueError):
+            g = None
         if g not in by_global:
-            raise ValueError(f"state for param {g}, which is not a trainable param of this optimizer")
-        p = by_global[g]
-        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+            raise ValueError(f"state for param {key!r}, which is not a trainable param of this optimizer")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if not isinstance(entry, dict) or k not in entry]
         if missing:
             raise ValueError(f"state of param {g} lacks {missing}")
+        p = by_global[g]
         per_param[g] = {}
         for k in STATE_KEYS:
             if k in entry:
-                if tuple(entry[k].shape) != tuple(p.shape):
-                    raise ValueError(f"state {k!r} of param {g} has shape {tuple(entry[k].shape)}, "
+                t = entry[k]
+                if not isinstance(t, Tensor) or not t.is_floating_point():
+                    raise ValueError(f"state {k!r} of param {g} is not a floating-point tensor")
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"state {k!r} of param {g} has shape {tuple(t.shape)}, "
                                      f"the param {tuple(p.shape)}")
-                per_param[g][k] = entry[k]
-        steps.add(int(float(entry["step"])))
+                per_param[g][k] = t
+        steps.add(_step_of(entry["step"], g))
+    if CHECKSUMS in sd:  # absent in torch's and FusedAdam's state dicts: nothing to verify there
+        check_state_checksums(sd["state"], sd[CHECKSUMS])
     if len(steps) > 1:
         warnings.warn(f"params were saved at different steps {sorted(steps)}; resuming at {max(steps)} "
                       "(this optimizer steps all params together)", stacklevel=3)
@@ -158,112 +181,141 @@ def load_state_dict(opt: DistributedFusedAdam, sd: dict[str, Any]) -> None:
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
 
 
-def _apply(opt: DistributedFusedAdam, source: Source, step: int, saved_groups: list[dict[str, Any]]) -> None:
+def _step_of(value: Any, g: int) -> int:
+    try:
+        step = float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a tensor of several elements
+        raise ValueError(f"the step of param {g} is not a number ({exc})") from exc
+    if not math.isfinite(step) or step < 0 or step != int(step):
+        raise ValueError(f"the step of param {g} is {step}, not a count of steps")
+    return int(step)
+
+
+def _apply(opt: ShardedOptimizer, source: Source, step: int, saved_groups: list[dict[str, Any]]) -> None:
     """Rewrites the shards (in place), the model params (from the masters) and the hyperparameters."""
-    if opt._layout is None:
-        opt.init_params()
-    opt.param_sync()
+    buckets = opt.shard_buckets()
     opt.zero_grad()
-    index = global_indices(opt)
-    for b in opt._buckets:
-        s = b.state
-        masters = _local_masters(b, opt._params).clone()  # params without a saved master keep theirs
+    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
+    for b in buckets:
+        # Copies: padding stays as it is, and params without a saved master keep theirs.
+        new = dict(zip(STATE_KEYS, (t.clone() for t in b.read_state(params))))
         for f in b.fragments:
             dst = slice(f.shard_offset, f.shard_offset + f.numel)
-            for key, target in (("param", masters), ("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
+            for key, target in new.items():
                 values = source(index[f.param], key, f.param_offset, f.numel)
                 if values is not None:
                     target[dst].copy_(values)
                 elif key != "param":
                     target[dst].zero_()
-        if s.master is not None:
-            s.master.copy_(masters)
-        local = b.local_param_slice()
-        if s.remainders is not None:
-            hi, lo = split_bf16_remainder(masters)
-            local.copy_(hi)
-            s.remainders.copy_(lo)
-        else:
-            local.copy_(masters)
-    opt._param_sync.after_step(None)  # writes the params (at once, or before the next forward)
-    opt._step_count = step
-    opt._step_tensor.fill_(float(step))
+        b.write_state(*new.values())
+    opt.publish_params()
+    opt.step_count = step
     restore_hyperparameters(opt.param_groups, saved_groups)
 
 
 # ---------------------------------------------------------------------- torch.distributed.checkpoint
 
 
-def sharded_state_dict(opt: DistributedFusedAdam) -> dict[str, Any]:
+def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint for torch.distributed.checkpoint: each owned range of each
-    param's state under ``state.<param>.<key>.<first element>``, plus what every rank shares."""
-    opt.param_sync()
-    index = global_indices(opt)
-    if opt._layout is None:
-        opt.init_params()
+    param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under
+    ``checksum.<param>.<key>.<first element>``, plus what every rank shares (``meta``)."""
+    buckets = opt.shard_buckets()
+    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
     out: dict[str, Any] = {}
-    for b in opt._buckets:
-        masters = _local_masters(b, opt._params)
-        for f in b.fragments:
-            dst = slice(f.shard_offset, f.shard_offset + f.numel)
-            for key, src in (("param", masters), ("exp_avg", b.state.exp_avg), ("exp_avg_sq", b.state.exp_avg_sq)):
-                out[f"state.{index[f.param]}.{key}.{f.param_offset}"] = src[dst].detach().cpu().clone()
+    for b in buckets:
+        for key, src in zip(STATE_KEYS, b.read_state(params)):
+            for f in b.fragments:
+                name = f"{index[f.param]}.{key}.{f.param_offset}"
+                out[f"state.{name}"] = t = src[f.shard_offset : f.shard_offset + f.numel].detach().cpu().clone()
+                out[f"checksum.{name}"] = torch.tensor([tensor_crc32(t)], dtype=torch.int64)
     # One leaf (JSON text): torch.distributed.checkpoint would otherwise flatten the nested structure.
-    out["meta"] = json.dumps({
-        "format": SHARDED_FORMAT,
-        "step": _step(opt),
+    body = json.dumps({
+        "step": opt.step_count,
         "param_groups": _groups_out(opt),
-        "params": {index[i]: [list(p.shape), list(p.stride())] for i, p in enumerate(opt._params)},
+        "params": {index[i]: [list(p.shape), list(p.stride())] for i, p in enumerate(params)},
     })
+    out["meta"] = json.dumps({"format": SHARDED_FORMAT, "crc32": zlib.crc32(body.encode()), "body": body})
     return out
 
 
-def save(opt: DistributedFusedAdam, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
+def save(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
     """Sharded save: every rank calls it; each writes only its own ranges (and `extra`, e.g.
     ``{"model": model.state_dict()}``, deduplicated by torch.distributed.checkpoint)."""
-    dcp.save({"optim": sharded_state_dict(opt), **(extra or {})}, checkpoint_id=checkpoint_id,
-             process_group=opt.comm.process_group)
-
-
-def load(opt: DistributedFusedAdam, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
-    """Sharded load under any world size: each rank reads the saved ranges overlapping its own, and
-    `extra` (e.g. ``{"model": model.state_dict()}``) in place, in the same read, after the checks."""
     group = opt.comm.process_group
+    targets = _targets(extra)
+    optim = sharded_state_dict(opt)
+    optim["extra_checksum"] = _extra_checksums(targets, group)
+    dcp.save({"optim": optim, **targets}, checkpoint_id=checkpoint_id, process_group=group)
+
+
+def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
+    """Sharded load under any world size: each rank reads the saved ranges overlapping its own, and
+    `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
+    on every rank, copies `extra` into the caller's tensors and loads the optimizer."""
+    group = opt.comm.process_group
+    extra = {} if extra is None else extra
+    targets = _targets(extra)
+    error = None
+    try:
+        md = dcp.FileSystemReader(checkpoint_id).read_metadata()
+        if "optim.meta" not in md.state_dict_metadata:
+            error = "no optimizer metadata ('optim.meta')"
+    except Exception as exc:  # missing or garbled .metadata file
+        error = f"its metadata cannot be read ({exc!r})"
+    _agree(group, error, f"{checkpoint_id}: not a readable distopt sharded checkpoint")
     meta_holder: dict[str, Any] = {"optim": {"meta": ""}}
     try:
         dcp.load(meta_holder, checkpoint_id=checkpoint_id, process_group=group)
-        meta = json.loads(meta_holder["optim"]["meta"])
-    except (Exception, CheckpointException) as exc:  # missing key, unreadable: not our checkpoint
-        raise ValueError(f"{checkpoint_id}: not a readable distopt sharded checkpoint ({exc})") from exc
-    if meta.get("format") != SHARDED_FORMAT:
-        raise ValueError(f"{checkpoint_id}: not a distopt sharded checkpoint (format {meta.get('format')!r})")
+    except CheckpointException as exc:
+        raise ValueError(f"{checkpoint_id}: the optimizer metadata cannot be read ({_reason(exc)})") from exc
+    meta, verified = _parse_meta(meta_holder["optim"]["meta"], checkpoint_id)
     check_saved_groups(opt.param_groups, meta["param_groups"])
-    saved = _saved_fragments(checkpoint_id, opt)
-    index = global_indices(opt)
-    for i, p in enumerate(opt._params):
-        shape, stride = (tuple(x) for x in meta["params"].get(str(index[i]), ((), ())))
-        if shape != tuple(p.shape):
-            raise ValueError(f"param {index[i]} has shape {tuple(p.shape)}, the checkpoint {shape}")
-        if stride != tuple(p.stride()):
-            raise ValueError(f"param {index[i]} was saved in another memory format (strides {stride}, now "
-                             f"{tuple(p.stride())}): load the per-param state_dict() form instead")
-        for key in STATE_KEYS:
-            covered = sum(n for start, n in saved.get((index[i], key), []))
-            if covered != p.numel():
-                raise ValueError(f"{checkpoint_id}: {key} of param {index[i]} covers {covered} of {p.numel()} elements")
+    saved = _saved_fragments(md)
+    _check_coverage(opt, checkpoint_id, meta, saved, md if verified else None)
+    _check_extra(targets, md, checkpoint_id)
 
-    if opt._layout is None:
-        opt.init_params()
-    needed: dict[str, Tensor] = {}
-    for b in opt._buckets:
+    # Read everything into fresh tensors: dcp.load writes in place, and may fail halfway.
+    index = opt.checkpoint_indices()
+    needed: dict[str, Any] = {}
+    for b in opt.shard_buckets():
         for f in b.fragments:
             for key in STATE_KEYS:
                 for start, n in _overlapping(saved[(index[f.param], key)], f.param_offset, f.numel):
-                    needed[f"state.{index[f.param]}.{key}.{start}"] = torch.empty(n, dtype=torch.float32)
+                    name = f"{index[f.param]}.{key}.{start}"
+                    needed[f"state.{name}"] = torch.empty(n, dtype=torch.float32)
+                    if verified:
+                        needed[f"checksum.{name}"] = torch.empty(1, dtype=torch.int64)
+    sums: dict[str, Tensor] = {}
+    for fqn, value in _leaves(targets) if verified else ():
+        entry = md.state_dict_metadata.get(f"optim.extra_checksum.{fqn}")
+        if _is_plain(value) and isinstance(entry, TensorStorageMetadata):
+            sums[fqn] = torch.empty(entry.size, dtype=torch.int64)
+    if sums:
+        needed["extra_checksum"] = sums
+    fresh = _map_leaves(targets, lambda fqn, value: _fresh(value, md.state_dict_metadata[fqn]))
+    request = {"optim": needed, **fresh}
     try:
-        dcp.load({"optim": needed, **(extra or {})}, checkpoint_id=checkpoint_id, process_group=group)
-    except CheckpointException as exc:  # e.g. a missing data file; nothing has changed yet
-        raise ValueError(f"{checkpoint_id}: the saved optimizer state cannot be read ({exc})") from exc
+        dcp.load(request, checkpoint_id=checkpoint_id, process_group=group)
+    except CheckpointException as exc:  # e.g. a missing, truncated or garbled data file; nothing has changed
+        why = _reason(exc)
+        raise ValueError(f"{checkpoint_id}: the checkpoint's data cannot be read; nothing was loaded ({why})") from exc
+    fresh = {k: request[k] for k in fresh}  # dcp.load replaces non-tensor leaves at the top in `request`
+
+    bad = [f"optim.{k}" for k, t in needed.items() if k.startswith("state.") and verified
+           and tensor_crc32(t) != int(needed["checksum." + k[len("state."):]][0])]
+    bad += [fqn for fqn, t in _leaves(fresh) if fqn in sums and tensor_crc32(t) not in sums[fqn].tolist()]
+    _agree(group, f"{len(bad)} saved tensor(s) do not match their checksums ({', '.join(bad[:4])})" if bad else None,
+           f"{checkpoint_id}: the checkpoint is corrupted; nothing was loaded")
+
+    # Commit: the caller's `extra` (as dcp.load would have), then the optimizer.
+    with torch.no_grad():
+        _commit(targets, fresh)
+    for k, v in extra.items():
+        if isinstance(v, Stateful):
+            v.load_state_dict(targets[k])
+        elif targets[k] is not v:  # a non-tensor leaf at the top, replaced as dcp.load replaces it
+            extra[k] = targets[k]
 
     def source(g: int, key: str, offset: int, numel: int) -> Tensor:
         out = torch.empty(numel, dtype=torch.float32)
@@ -275,16 +327,171 @@ def load(opt: DistributedFusedAdam, checkpoint_id: str, extra: dict[str, Any] | 
     _apply(opt, source, int(meta["step"]), meta["param_groups"])
 
 
-def _saved_fragments(checkpoint_id: str, opt: DistributedFusedAdam) -> dict[tuple[int, str], list[tuple[int, int]]]:
+def _reason(exc: CheckpointException) -> str:
+    """Each failing rank's exception, one line each (the full tracebacks stay in ``__cause__``)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    lines = [f"rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}" for r, (e, _) in
+             sorted(failures.items())]
+    return "; ".join(lines)
+
+
+def _agree(group: Any, error: str | None, headline: str) -> None:
+    """Raises the same ValueError on every rank if any rank found an error (a collective)."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ValueError(f"{headline}: {errors[failed[0]]} (found on rank(s) {failed} of the process group)")
+
+
+def _parse_meta(text: str, checkpoint_id: str) -> tuple[dict[str, Any], bool]:
+    """The shared metadata, and whether the checkpoint has checksums."""
+    try:
+        outer = json.loads(text)
+        fmt = outer.get("format")
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"{checkpoint_id}: the optimizer metadata is not valid JSON ({exc})") from exc
+    if fmt == UNVERIFIED_SHARDED_FORMAT:
+        warnings.warn(f"{checkpoint_id} was saved without checksums ({fmt}): its data is loaded unverified",
+                      stacklevel=3)
+        return outer, False
+    if fmt != SHARDED_FORMAT:
+        raise ValueError(f"{checkpoint_id}: not a distopt sharded checkpoint (format {fmt!r})")
+    body = outer.get("body")
+    if not isinstance(body, str) or zlib.crc32(body.encode()) != outer.get("crc32"):
+        raise ValueError(f"{checkpoint_id}: the optimizer metadata does not match its checksum (corrupted)")
+    return json.loads(body), True
+
+
+def _saved_fragments(md: Metadata) -> dict[tuple[int, str], list[tuple[int, int]]]:
     """(param, key) -> [(first element, count)] of every range in the checkpoint."""
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     out: dict[tuple[int, str], list[tuple[int, int]]] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
+    for fqn, entry in md.state_dict_metadata.items():
         m = _FRAGMENT_KEY.match(fqn)
         if m:
-            out.setdefault((int(m.group(1)), m.group(2)), []).append((int(m.group(3)), int(md.size[0])))
+            ok = isinstance(entry, TensorStorageMetadata) and len(entry.size) == 1 \
+                and entry.properties.dtype == torch.float32
+            n = int(entry.size[0]) if ok else -1  # -1: not a range of this format, refused by the coverage check
+            out.setdefault((int(m.group(1)), m.group(2)), []).append((int(m.group(3)), n))
     return out
+
+
+def _check_coverage(opt: ShardedOptimizer, checkpoint_id: str, meta: dict[str, Any],
+                    saved: dict[tuple[int, str], list[tuple[int, int]]], md: Metadata | None) -> None:
+    """Every param has the saved shape and memory format, and each of its state tensors is tiled
+    exactly once by saved ranges (each with its checksum, where `md` is given)."""
+    for g, p in zip(opt.checkpoint_indices(), opt.checkpoint_params()):
+        shape, stride = (tuple(x) for x in meta["params"].get(str(g), ((), ())))
+        if shape != tuple(p.shape):
+            raise ValueError(f"param {g} has shape {tuple(p.shape)}, the checkpoint {shape}")
+        if stride != tuple(p.stride()):
+            raise ValueError(f"param {g} was saved in another memory format (strides {stride}, now "
+                             f"{tuple(p.stride())}): load the per-param state_dict() form instead")
+        for key in STATE_KEYS:
+            end = 0
+            for start, n in sorted(saved.get((g, key), [])):
+                if start != end or n < 0:
+                    break
+                if md is not None and f"optim.checksum.{g}.{key}.{start}" not in md.state_dict_metadata:
+                    raise ValueError(f"{checkpoint_id}: {key} of param {g} has no checksum for elements {start}+")
+                end += n
+            if end != p.numel():
+                raise ValueError(f"{checkpoint_id}: the saved {key} of param {g} does not cover its {p.numel()} "
+                                 f"elements exactly once (a 1-D float32 range each)")
 
 
 def _overlapping(ranges: list[tuple[int, int]], offset: int, numel: int) -> list[tuple[int, int]]:
     return [(start, n) for start, n in ranges if start < offset + numel and offset < start + n]
+
+
+# ---------------------------------------------------------------------- `extra`, as dcp traverses it
+
+
+def _targets(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`extra` with each top-level Stateful (a module, say) as its state_dict(), as dcp sees it."""
+    extra = {} if extra is None else extra
+    if "optim" in extra:
+        raise ValueError("extra must not have an 'optim' key: the optimizer's state is saved under it")
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in extra.items()}
+
+
+def _is_container(value: Any) -> bool:
+    """Whether dcp looks inside `value` (a mapping, or a list holding tensors or containers)."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, list) and any(isinstance(v, Tensor) or _is_container(v) for v in value)
+
+
+def _items(value: Any) -> Iterator[tuple[Any, Any]]:
+    return iter(value.items()) if isinstance(value, Mapping) else enumerate(value)
+
+
+def _leaves(value: Any, path: tuple = ()) -> Iterator[tuple[str, Any]]:
+    """(fqn, leaf) of every value dcp saves as one item, with dcp's names."""
+    for k, v in _items(value):
+        if _is_container(v):
+            yield from _leaves(v, path + (k,))
+        else:
+            yield ".".join(map(str, path + (k,))), v
+
+
+def _map_leaves(value: Any, fn: Callable[[str, Any], Any], path: tuple = ()) -> Any:
+    """A copy of `value`'s containers with each leaf replaced by ``fn(fqn, leaf)``."""
+    out = {k: None for k in value} if isinstance(value, Mapping) else [None] * len(value)
+    for k, v in _items(value):
+        out[k] = _map_leaves(v, fn, path + (k,)) if _is_container(v) else fn(".".join(map(str, path + (k,))), v)
+    return out
+
+
+def _is_plain(value: Any) -> bool:
+    """A tensor that dcp saves whole (not a DTensor or other sharded subclass): it has a checksum."""
+    return isinstance(value, Tensor) and type(value) in (Tensor, torch.nn.Parameter)
+
+
+def _fresh(value: Any, saved: Any) -> Any:
+    """Where dcp.load reads a leaf of `extra`: a plain tensor as it was saved (dtype included, so its
+    checksum can be verified), anything else like the caller's."""
+    if _is_plain(value):
+        return torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    return torch.empty_like(value) if isinstance(value, Tensor) else value
+
+
+def _extra_checksums(targets: dict[str, Any], group: Any) -> dict[str, Tensor]:
+    """fqn -> the CRC-32s of a plain tensor of `extra`. Ranks may save different values under one
+    key, of which dcp writes one: then every rank's CRC is kept (any of them will do on load)."""
+    local = {fqn: tensor_crc32(v) for fqn, v in _leaves(targets) if _is_plain(v)}
+    digests: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, zlib.crc32(json.dumps(sorted(local.items())).encode()), group=group)
+    if len(set(digests)) == 1:  # the usual case: replicated models, nothing more to exchange
+        return {fqn: torch.tensor([c], dtype=torch.int64) for fqn, c in local.items()}
+    everyone: list[Any] = [None] * len(digests)
+    dist.all_gather_object(everyone, local, group=group)
+    return {fqn: torch.tensor(sorted({m[fqn] for m in everyone if fqn in m}), dtype=torch.int64) for fqn in local}
+
+
+def _check_extra(targets: dict[str, Any], md: Metadata, checkpoint_id: str) -> None:
+    """Every leaf of `extra` is in the checkpoint, a tensor as a tensor of the same shape."""
+    for fqn, value in _leaves(targets):
+        saved = md.state_dict_metadata.get(fqn)
+        if saved is None:
+            raise ValueError(f"{checkpoint_id}: the checkpoint holds nothing for extra[{fqn!r}]")
+        if isinstance(value, Tensor) != isinstance(saved, TensorStorageMetadata):
+            raise ValueError(f"{checkpoint_id}: extra[{fqn!r}] is {'a' if isinstance(value, Tensor) else 'not a'} "
+                             "tensor, unlike the checkpoint's")
+        if isinstance(value, Tensor) and tuple(saved.size) != tuple(value.shape):
+            raise ValueError(f"{checkpoint_id}: extra[{fqn!r}] has shape {tuple(value.shape)}, the checkpoint "
+                             f"{tuple(saved.size)}")
+
+
+def _commit(dst: Any, src: Any) -> None:
+    """Copies the loaded `src` into the caller's containers `dst`: tensors in place, other leaves
+    replaced (as dcp.load does)."""
+    for k, d in _items(dst):
+        if _is_container(d):
+            _commit(d, src[k])
+        elif isinstance(d, Tensor):
+            d.copy_(src[k])
+        else:
+            dst[k] = src[k]

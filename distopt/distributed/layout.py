@@ -14,7 +14,7 @@ tests/test_layout.py.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_ALIGN = 16  # elements: 64 bytes of fp32, 32 of bf16; a 16-byte vector load needs <= 8
 
@@ -140,3 +140,69 @@ def plan_layout(
         for d in buckets
     )
     return Layout(world_size, final, tuple(tuple(p) for p in param_pieces))
+
+
+def plan_segments(
+    segments: Sequence[tuple[Sequence[int], bool]],
+    numels: Sequence[int],
+    groups: Sequence[Hashable],
+    world_size: int,
+    bucket_numel: int,
+    align: int = DEFAULT_ALIGN,
+) -> Layout:
+    """Plans params given as segments of indices into `numels`/`groups`, packed in segment order.
+
+    Consecutive segments marked ``False`` share buckets (``plan_layout`` over their concatenation); a
+    segment marked ``True`` gets fresh buckets of its own, large enough to hold it whole (one bucket
+    per group key, as apex's ``init_params_bucket``). Pieces name params by their index, so the
+    result is a layout of all ``len(numels)`` params (those in no segment get no pieces).
+    """
+    buckets: list[Bucket] = []
+    per_param: list[tuple[Piece, ...]] = [()] * len(numels)
+
+    def add(indices: Sequence[int], capacity: int) -> None:
+        if not indices:
+            return
+        part = plan_layout([numels[i] for i in indices], world_size, capacity, [groups[i] for i in indices], align)
+        shift = len(buckets)
+
+        def move(p: Piece) -> Piece:
+            return replace(p, param=indices[p.param], bucket=p.bucket + shift)
+
+        buckets.extend(replace(b, pieces=tuple(move(p) for p in b.pieces)) for b in part.buckets)
+        for position, pieces in enumerate(part.param_pieces):
+            per_param[indices[position]] = tuple(move(p) for p in pieces)
+
+    shared: list[int] = []
+    for indices, fresh in segments:
+        if not fresh:
+            shared.extend(indices)
+            continue
+        add(shared, bucket_numel)
+        shared = []
+        whole = sum(_round_up(numels[i], align) for i in indices)
+        add(list(indices), max(bucket_numel, _round_up(whole, world_size * align)))
+    add(shared, bucket_numel)
+    return Layout(world_size, tuple(buckets), tuple(per_param))
+
+
+def padding_advice(layout: Layout, numels: Sequence[int], bucket_numel: int, align: int = DEFAULT_ALIGN) -> str:
+    """Where a layout's padding comes from, in numbers, and what would reduce it."""
+    unit = layout.world_size * align
+    capacity = max(unit, bucket_numel // unit * unit)
+    total = sum(b.numel for b in layout.buckets)
+    used = sum(numels)
+    small = [n for n in numels if 0 < n < align]
+    align_pad = sum(_round_up(n, align) - n for n in numels if n > 0)
+    end_pad = total - used - align_pad
+    text = (f"buckets are {100 * used / max(total, 1):.0f}% params ({used} param elements in {len(layout.buckets)} "
+            f"buckets of up to {capacity} elements, {total} in all): {align_pad} elements align params to "
+            f"{align}-element boundaries, {end_pad} pad bucket ends to a multiple of {unit} "
+            f"({layout.world_size} shards x {align})")
+    if align_pad >= end_pad:
+        return text + (f"; {len(small)} of {len(numels)} params have fewer than {align} elements: merging them "
+                       "(e.g. one tensor for many biases) removes most of it")
+    if bucket_numel < unit or end_pad > used:
+        return text + (f"; the bucket capacity is too small for these params: raise bucket_cap_mb so a bucket "
+                       f"holds several params (the largest has {max(numels, default=0)} elements)")
+    return text + "; raising bucket_cap_mb gives fewer, fuller buckets"

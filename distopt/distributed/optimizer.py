@@ -18,11 +18,11 @@ from .._validation import (
     check_unique_params,
 )
 from ..grad_scaling import GradScaling
-from . import checkpoint
+from . import agreement, checkpoint
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
-from .layout import DEFAULT_ALIGN, Layout, plan_layout
+from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
 from .param_sync import ParamSync
 
 # GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
@@ -144,6 +144,11 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._params)}
         self.capturable = capturable
+        # init_params: per-param sync dtype overrides, and the segments declared so far (param
+        # indices in packing order; True: fresh buckets of their own, as init_params_bucket)
+        self._grad_dtypes: dict[int, torch.dtype] = {}
+        self._param_dtypes: dict[int, torch.dtype] = {}
+        self._segments: list[tuple[list[int], bool]] = []
         self._check_params()
         if capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True is for CUDA-graph capture: params must be on a CUDA device, "
@@ -160,7 +165,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._buckets: list[BucketRuntime] = []
         self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
                                average_grad_sync)
-        self._param_sync: ParamSync | None = None
+        # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
+        self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync)
+        self._grads.on_grad = self._param_sync.check_fresh
 
     # ------------------------------------------------------------------ setup
 
@@ -199,10 +206,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         return self.store_params
 
     def _grad_dtype(self, p: Tensor) -> torch.dtype:
-        return self.grad_sync_dtype or p.dtype
+        return self._grad_dtypes.get(self._index[p]) or self.grad_sync_dtype or p.dtype
 
     def _param_dtype(self, p: Tensor) -> torch.dtype:
-        return self.param_sync_dtype or p.dtype
+        return self._param_dtypes.get(self._index[p]) or self.param_sync_dtype or p.dtype
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_params"):  # set once the constructor's own groups are in
@@ -212,44 +219,88 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         g = self.param_groups[-1]
         check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
 
-    def init_params(self, params: Iterable[Tensor] | None = None) -> None:
-        """Builds the bucket layout now, packing `params` first in the given order (the order their
-        gradients become ready: roughly reverse forward order), the rest after them in reverse
-        param-group order. Without this call the layout follows the first backward pass."""
-        if self._layout is not None:
-            raise RuntimeError("init_params: the layout is already built")
-        self._grads.set_arrival([self._index[p] for p in params] if params is not None else [])
-        self._build_layout(default_tail_reversed=True)
+    def init_params(self, params: Iterable[Tensor] | None = None, *, grad_sync_dtype: torch.dtype | None = None,
+                    param_sync_dtype: torch.dtype | None = None) -> None:
+        """Lays out `params` (default: every param not laid out yet) next, in the given order: the
+        order their gradients become ready, roughly reverse forward order. As apex's: callable several
+        times on disjoint subsets; params already laid out are skipped; `grad_sync_dtype` and
+        `param_sync_dtype` override the optimizer's for these params only (mixed-dtype models; a
+        param synchronised in another dtype than its own keeps an fp32 master). The layout is built
+        once every param is placed; params never named are added at the first backward's end in
+        gradient order (or, with ``params=None``, now, in reverse param-group order)."""
+        self._declare(params, grad_sync_dtype, param_sync_dtype, fresh=False)
 
-    def _build_layout(self, default_tail_reversed: bool = False) -> None:
-        arrival = self._grads.arrival
-        seen = set(arrival)
-        rest = [i for i in range(len(self._params)) if i not in seen]
-        order = arrival + (rest[::-1] if default_tail_reversed else rest)
-        if len(order) != len(self._params) or set(order) != set(range(len(self._params))):
-            raise ValueError("init_params: params must be distinct params of this optimizer")
-        # Every rank must pack identically: take rank 0's order (backward order may differ by rank).
-        order = self.comm.broadcast_ints(order, self.device)
-        params = [self._params[i] for i in order]
-        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype) for p in params]
+    def init_params_bucket(self, params: Iterable[Tensor], *, grad_sync_dtype: torch.dtype | None = None,
+                           param_sync_dtype: torch.dtype | None = None) -> None:
+        """As ``init_params``, but `params` get fresh buckets of their own, one per sync dtype, large
+        enough to hold them whole (apex's ``init_params_bucket``)."""
+        self._declare(params, grad_sync_dtype, param_sync_dtype, fresh=True)
+
+    def _declare(self, params: Iterable[Tensor] | None, grad_sync_dtype: torch.dtype | None,
+                 param_sync_dtype: torch.dtype | None, fresh: bool) -> None:
+        if self._layout is not None:
+            raise RuntimeError("init_params: the bucket layout is already built (the first backward or step builds "
+                               "it): lay params out before that")
+        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+            if value is not None and value not in FLOAT_DTYPES:
+                raise ValueError(f"init_params: {name} must be float32, float16, bfloat16 or None, got {value}")
+        declared = {i for seg, _ in self._segments for i in seg}
+        if params is None:
+            indices = [i for i in reversed(range(len(self._params))) if i not in declared]
+        else:
+            params = list(params)
+            unknown = [j for j, p in enumerate(params) if p not in self._index]
+            if unknown:
+                raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable param of this optimizer")
+            indices = list(dict.fromkeys(self._index[p] for p in params if self._index[p] not in declared))
+        for i in indices:  # validate every override before recording any
+            p = self._params[i]
+            sync = param_sync_dtype or self.param_sync_dtype or p.dtype
+            if sync != p.dtype and (self.store_params is False or self.contiguous_param_buffer):
+                raise ValueError(f"init_params: param_sync_dtype={sync} differs from param {i}'s dtype {p.dtype}, "
+                                 "which store_params=False and contiguous_param_buffer do not allow")
+        for i in indices:
+            if grad_sync_dtype is not None:
+                self._grad_dtypes[i] = grad_sync_dtype
+            if param_sync_dtype is not None:
+                self._param_dtypes[i] = param_sync_dtype
+        if indices:
+            self._segments.append((indices, fresh))
+        if len(declared) + len(indices) == len(self._params):
+            self._build_layout()
+
+    def _build_layout(self) -> None:
+        declared = [i for seg, _ in self._segments for i in seg]
+        placed = set(declared)
+        tail = [i for i in self._grads.arrival if i not in placed]  # the first backward's order
+        placed.update(tail)
+        tail += [i for i in range(len(self._params)) if i not in placed]
+        segments = self._segments + ([(tail, False)] if tail else [])
+        agreement.check(self)
+        # Every rank must pack identically: take rank 0's plan (backward order may differ by rank).
+        n = len(self._params)
+        plan = [i for seg, _ in segments for i in seg]
+        plan += [k for k, (seg, _) in enumerate(segments) for _ in seg]
+        plan += [int(fresh) for seg, fresh in segments for _ in seg]
+        plan = self.comm.broadcast_ints(plan, self.device)
+        segments = []
+        for position in range(n):
+            if position == 0 or plan[n + position] != plan[n + position - 1]:
+                segments.append(([], bool(plan[2 * n + position])))
+            segments[-1][0].append(plan[position])
+        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype) for p in self._params]
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
         bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
         if self.contiguous_param_buffer or self.contiguous_grad_buffer:
             # Params become views of one bucket: never split one (the planner rounds capacity down
             # to whole shard units, so round the largest param up to one).
             unit = self.comm.dist_size * DEFAULT_ALIGN
-            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in params) // unit) * unit)
-        layout = plan_layout([p.numel() for p in params], self.comm.dist_size, bucket_numel, keys)
-        # Pieces name params by position in `order`; translate to indices into self._params.
-        self._layout = _reindex(layout, order)
-        self._layout_numels = [sum(piece.numel for piece in pieces) for pieces in self._layout.param_pieces]
+            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in self._params) // unit) * unit)
+        numels = [p.numel() for p in self._params]
+        self._layout = plan_segments(segments, numels, keys, self.comm.dist_size, bucket_numel)
+        self._layout_numels = numels
         if self._layout.utilization() < 0.5:
-            warnings.warn(
-                f"DistributedFusedAdam: buckets are only {100 * self._layout.utilization():.0f}% params "
-                f"({len(self._layout.buckets)} buckets of <= {bucket_numel} elements over {self.comm.dist_size} "
-                "ranks); the rest is alignment padding: raise bucket_cap_mb or merge small params",
-                stacklevel=3,
-            )
+            warnings.warn(f"DistributedFusedAdam: {padding_advice(self._layout, numels, bucket_numel)}", stacklevel=3)
         self._create_buckets()
 
     def _create_buckets(self) -> None:
@@ -271,7 +322,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
             self._buckets.append(b)
         self._grads.attach(self._layout, self._buckets)
-        self._param_sync = ParamSync(self.comm, self._params, self._layout, self._buckets, self.overlap_param_sync)
+        self._param_sync.attach(self._layout, self._buckets)
 
     # ------------------------------------------------------------------ gradients
 
@@ -424,8 +475,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def param_sync(self) -> None:
         """Finishes every deferred param all-gather (overlap_param_sync)."""
-        if self._param_sync is not None:
-            self._param_sync.finish()
+        self._param_sync.finish()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -439,8 +489,43 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
-        FusedAdam state dict; checks everything before changing anything. Every rank must call it."""
+        FusedAdam state dict; checks everything (with the checksums ``state_dict()`` records) before
+        changing anything. Every rank must call it."""
         checkpoint.load_state_dict(self, state_dict)
+
+    # What checkpoint.py reads and writes, and nothing more (its ShardedOptimizer protocol).
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (a skipped inf/nan step does not count); bias correction uses it."""
+        return int(self._step_tensor.item()) if self.capturable else self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = int(value)
+        self._step_tensor.fill_(float(value))  # in place: a captured CUDA graph keeps reading it
+
+    def checkpoint_params(self) -> list[Tensor]:
+        """The trainable params; bucket fragments name them by their position in this list."""
+        return self._params
+
+    def checkpoint_indices(self) -> list[int]:
+        """Each trainable param's position in ``param_groups`` (its key in state dicts)."""
+        positions = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return [positions[p] for p in self._params]
+
+    def shard_buckets(self, build: bool = True) -> list[BucketRuntime]:
+        """This rank's buckets, with every deferred param all-gather landed; builds the whole layout
+        first (``init_params()``) where there is none yet, unless `build` is False (then: [])."""
+        self.param_sync()
+        if self._layout is None and build:
+            self.init_params()
+        return self._buckets
+
+    def publish_params(self) -> None:
+        """Writes the model params from the buckets' param slices, as after a step (at once, or
+        before the next forward with overlap_param_sync)."""
+        self._param_sync.after_step(None)
 
     # ------------------------------------------------------------------ reporting
 
@@ -462,16 +547,4 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 report["buffers"] += nbytes(b.param_buffer)
         report["total"] = sum(report.values())
         return report
-
-
-def _reindex(layout: Layout, order: list[int]) -> Layout:
-    """The same layout with pieces naming params by `order[position]` instead of position."""
-    from dataclasses import replace
-
-    buckets = tuple(replace(b, pieces=tuple(replace(p, param=order[p.param]) for p in b.pieces))
-                    for b in layout.buckets)
-    per_param = [()] * len(order)
-    for position, pieces in enumerate(layout.param_pieces):
-        per_param[order[position]] = tuple(replace(p, param=order[position]) for p in pieces)
-    return Layout(layout.world_size, buckets, tuple(per_param))
 
