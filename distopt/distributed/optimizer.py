@@ -23,6 +23,7 @@ from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
+from .packing import Packing
 from .param_sync import ParamSync
 
 # GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
@@ -144,11 +145,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._params)}
         self.capturable = capturable
-        # init_params: per-param sync dtype overrides, and the segments declared so far (param
-        # indices in packing order; True: fresh buckets of their own, as init_params_bucket)
-        self._grad_dtypes: dict[int, torch.dtype] = {}
-        self._param_dtypes: dict[int, torch.dtype] = {}
-        self._segments: list[tuple[list[int], bool]] = []
+        self._packing = Packing(self._params, grad_sync_dtype, param_sync_dtype)  # init_params declarations
         self._check_params()
         if capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True is for CUDA-graph capture: params must be on a CUDA device, "
@@ -206,10 +203,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         return self.store_params
 
     def _grad_dtype(self, p: Tensor) -> torch.dtype:
-        return self._grad_dtypes.get(self._index[p]) or self.grad_sync_dtype or p.dtype
+        return self._packing.grad_dtype(p)
 
     def _param_dtype(self, p: Tensor) -> torch.dtype:
-        return self._param_dtypes.get(self._index[p]) or self.param_sync_dtype or p.dtype
+        return self._packing.param_dtype(p)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_params"):  # set once the constructor's own groups are in
@@ -241,53 +238,15 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if self._layout is not None:
             raise RuntimeError("init_params: the bucket layout is already built (the first backward or step builds "
                                "it): lay params out before that")
-        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
-            if value is not None and value not in FLOAT_DTYPES:
-                raise ValueError(f"init_params: {name} must be float32, float16, bfloat16 or None, got {value}")
-        declared = {i for seg, _ in self._segments for i in seg}
-        if params is None:
-            indices = [i for i in reversed(range(len(self._params))) if i not in declared]
-        else:
-            params = list(params)
-            unknown = [j for j, p in enumerate(params) if p not in self._index]
-            if unknown:
-                raise ValueError(f"init_params: params[{unknown[0]}] is not a trainable param of this optimizer")
-            indices = list(dict.fromkeys(self._index[p] for p in params if self._index[p] not in declared))
-        for i in indices:  # validate every override before recording any
-            p = self._params[i]
-            sync = param_sync_dtype or self.param_sync_dtype or p.dtype
-            if sync != p.dtype and (self.store_params is False or self.contiguous_param_buffer):
-                raise ValueError(f"init_params: param_sync_dtype={sync} differs from param {i}'s dtype {p.dtype}, "
-                                 "which store_params=False and contiguous_param_buffer do not allow")
-        for i in indices:
-            if grad_sync_dtype is not None:
-                self._grad_dtypes[i] = grad_sync_dtype
-            if param_sync_dtype is not None:
-                self._param_dtypes[i] = param_sync_dtype
-        if indices:
-            self._segments.append((indices, fresh))
-        if len(declared) + len(indices) == len(self._params):
+        params_are_masters = self.store_params is False or self.contiguous_param_buffer
+        if self._packing.declare(params, grad_sync_dtype, param_sync_dtype, fresh, params_are_masters):
             self._build_layout()
 
     def _build_layout(self) -> None:
-        declared = [i for seg, _ in self._segments for i in seg]
-        placed = set(declared)
-        tail = [i for i in self._grads.arrival if i not in placed]  # the first backward's order
-        placed.update(tail)
-        tail += [i for i in range(len(self._params)) if i not in placed]
-        segments = self._segments + ([(tail, False)] if tail else [])
+        segments = self._packing.segments(self._grads.arrival)
         agreement.check(self)
         # Every rank must pack identically: take rank 0's plan (backward order may differ by rank).
-        n = len(self._params)
-        plan = [i for seg, _ in segments for i in seg]
-        plan += [k for k, (seg, _) in enumerate(segments) for _ in seg]
-        plan += [int(fresh) for seg, fresh in segments for _ in seg]
-        plan = self.comm.broadcast_ints(plan, self.device)
-        segments = []
-        for position in range(n):
-            if position == 0 or plan[n + position] != plan[n + position - 1]:
-                segments.append(([], bool(plan[2 * n + position])))
-            segments[-1][0].append(plan[position])
+        segments = Packing.agreed(segments, self.comm, self.device)
         keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype) for p in self._params]
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
         bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
