@@ -130,8 +130,9 @@ class BucketRuntime:
         self.written.add(piece.param)
 
     def ready(self) -> bool:
-        """Every param of the bucket has delivered its grad in this synchronising backward."""
-        return self.synced >= self.params
+        """Every param of the bucket has delivered its grad in this synchronising backward (and the
+        bucket is not reducing an earlier one: a launch forgets who delivered, see below)."""
+        return not self.launched and self.synced >= self.params
 
     def launch_reduce_scatter(self, comm: Comm, divide_by: int) -> None:
         """Averages (divides by the data-parallel size, as DDP does, before summing) and starts the
@@ -146,6 +147,9 @@ class BucketRuntime:
             self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
         self._rs_work = comm.reduce_scatter(self._rs_out, self.grad_buffer, self.index)
         self.launched = True
+        # The next synchronising backward must deliver every param again before this bucket is ready:
+        # with reductions still in flight when it starts, stale arrivals would launch it early.
+        self.synced.clear()
 
     def finish_reduce_scatter(self, comm: Comm) -> None:
         """Waits for the reduction, folds it into the fp32 grad shard, releases the buffer."""

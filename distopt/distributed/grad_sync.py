@@ -57,6 +57,7 @@ class GradSync:
         self._in_flight: list[BucketRuntime] = []
         self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
         self.on_grad: Callable[[int], None] | None = None  # told of each param's grad before it is taken
+        self._drop_queued = False  # a callback will take the grad views away at the end of backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
@@ -81,6 +82,10 @@ class GradSync:
                 self._arrived.add(i)
                 self.arrival.append(i)
             return  # first backward: .grad stays until the layout is built
+        if not self.in_no_sync and self._grad_views and not self._drop_queued:
+            # a synchronising backward: when it ends, .grad must no longer expose the unreduced sums
+            self._drop_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop_grad_views)
         syncing = self.overlap and not self.in_no_sync
         if syncing and not self._round_open:
             self._round_open = True
@@ -125,6 +130,9 @@ class GradSync:
     # ------------------------------------------------------------------ reductions
 
     def _launch(self, bucket: BucketRuntime) -> None:
+        if bucket.launched:  # still reducing the previous round (no grad for it this round): land it first
+            self._in_flight.remove(bucket)
+            self._finish(bucket)
         while len(self._in_flight) >= self.pipeline_size:
             self._finish(self._in_flight.pop(0))
         for i in bucket.params:
@@ -145,8 +153,17 @@ class GradSync:
         bucket.finish_reduce_scatter(self.comm)
         self.version += 1
 
+    def _drop_grad_views(self) -> None:
+        """Takes away the .grad views of the contiguous buffer given out under no_sync(): outside it
+        the sums are the optimizer's (the stock GradScaler.unscale_ would otherwise rescale them)."""
+        self._drop_queued = False
+        for i in self._grad_views:
+            self.params[i].grad = None
+        self._grad_views.clear()
+
     def sync(self) -> None:
         """Starts the reduce-scatters backward did not (in bucket order) and waits for all."""
+        self._drop_grad_views()
         if self._needs_round or self._round_open:  # open: a backward raised and its round was never closed
             self._round_open = False
             self._launch_remaining()
@@ -176,6 +193,7 @@ class GradSync:
         self._next_launch = 0
         self._needs_round = False
         self._grad_views.clear()
+        self._drop_queued = False
         for p in self.params:
             p.grad = None
 
