@@ -12,7 +12,7 @@ SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 .PHONY: train test env clean
 
 train: $(STAMP)
-	$(PY) examples/train.py
+	$(PY) examples/train.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -23,6 +23,8 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib
+	# the integrations are tested with the real frameworks (optional at run time: see pyproject extras)
+	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.4"
 	touch $@
 
 # --no-build-isolation: link against the torch installed above (isolation would fetch a second one).
