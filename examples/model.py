@@ -1,4 +1,5 @@
-"""A small GPT-style language model and a generated corpus with learnable structure, for the demo."""
+"""A small GPT-style language model: examples/train.py trains it on bytes of Python source
+(examples/data.py); benchmarks/bench_step.py times its training step."""
 
 from __future__ import annotations
 
@@ -42,14 +43,3 @@ class TinyGPT(nn.Module):
             x = block(x, self.mask[:t, :t])
         return self.head(self.ln(x))
 
-
-def make_batch(gen: torch.Generator, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    """Sequences x[t+1] = (a * x[t] + b) mod vocab with random (a, b) per sequence: predictable once
-    the model has read a few tokens, so the loss falls well below log(vocab)."""
-    a = torch.randint(1, 8, (batch, 1), generator=gen)
-    b = torch.randint(0, vocab, (batch, 1), generator=gen)
-    x = torch.empty(batch, seq + 1, dtype=torch.long)
-    x[:, :1] = torch.randint(0, vocab, (batch, 1), generator=gen)
-    for t in range(seq):
-        x[:, t + 1 : t + 2] = (a * x[:, t : t + 1] + b) % vocab
-    return x

@@ -1,20 +1,122 @@
-"""The README's main job runs: 2 gloo ranks train with DistributedFusedAdam next to DDP + AdamW."""
+"""The README's main job (examples/train.py): 2 gloo ranks train a byte-level GPT on the standard
+library's sources with DistributedFusedAdam next to DDP + AdamW, and end with a verdict."""
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TRAIN = str(EXAMPLES / "train.py")
+SMALL = ["--steps", "3", "--log-every", "1", "--val-every", "2", "--val-batches", "1", "--batch-size", "4",
+         "--seq-len", "32", "--warmup", "1", "--ranks", "2"]
+
+sys.path.insert(0, str(EXAMPLES))
+import train  # noqa: E402  (examples/train.py)
+
+import data  # noqa: E402  (examples/data.py)
 
 
-def test_train_example_runs_and_matches_ddp():
-    result = subprocess.run([sys.executable, str(EXAMPLES / "train.py"), "--steps", "4", "--log-every", "1",
-                             "--ranks", "2"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+def without_torchrun():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def test_train_example_runs_and_passes():
+    result = subprocess.run([sys.executable, TRAIN, *SMALL], capture_output=True, text=True, timeout=300,
+                            env=without_torchrun())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "2 cpu rank(s) over gloo" in out
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
-    assert len(losses) == 4 and all(0 < x < 10 for x in losses)
-    first, last = re.search(r"(\S+) after step 1, (\S+) after step 4", out).groups()
-    assert float(first) < 1e-5 and float(last) < 1e-3, out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    for _, ours, ref in rows:
+        assert 0 < float(ours) < 10 and abs(float(ours) - float(ref)) < 1e-3, out
+    assert re.search(r"time per step, median \(2 steps\)\s+[\d.]+ ms\s+[\d.]+ ms", out), out
+    assert re.search(r"tokens/s.*\s[\d,]+\s+[\d,]+$", out, re.MULTILINE), out
+    assert re.search(r"optimizer memory per rank\s+[\d.]+ MiB\s+[\d.]+ MiB", out), out
+    verdict = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdict) == 1, out
+    assert verdict[0].startswith("PASS: distopt's params agree with DDP+AdamW's: relative L2 difference"), out
+
+
+def test_train_example_fails_with_exit_status_1_when_out_of_tolerance():
+    # A tolerance no real run can meet: the verdict says FAIL and the exit status is non-zero.
+    result = subprocess.run([sys.executable, TRAIN, *SMALL, "--steps", "1", "--tolerance-factor", "1e-30"],
+                            capture_output=True, text=True, timeout=300, env=without_torchrun())
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^FAIL: ", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_help_shows_defaults():
+    result = subprocess.run([sys.executable, TRAIN, "--help"], capture_output=True, text=True, timeout=120,
+                            env=without_torchrun())
+    assert result.returncode == 0, result.stderr
+    for option in ("--steps", "--ranks", "--batch-size", "--seq-len", "--lr", "--clip", "--overlap-param-sync",
+                   "--tolerance-factor"):
+        assert option in result.stdout
+    assert "(default: 120)" in result.stdout and "(default: 0.003)" in result.stdout
+
+
+def test_ranks_is_refused_under_torchrun():
+    env = {**without_torchrun(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    result = subprocess.run([sys.executable, TRAIN, "--ranks", "2"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 2
+    assert "--ranks does not apply under torchrun" in result.stderr, result.stderr
+
+
+def test_batch_must_split_evenly_over_ranks(monkeypatch, capsys):
+    monkeypatch.setattr(train, "TORCHRUN", False)
+    assert train.parse_args(["--ranks", "4", "--batch-size", "8"]).world_size == 4
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--ranks", "2", "--batch-size", "5"])
+    assert exc.value.code == 2 and "must be a multiple of the 2 ranks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ examples/data.py
+
+
+def test_rank_slices_make_up_the_global_batch():
+    corpus = torch.arange(10_000) % 251
+    whole = data.train_batch(corpus, 7, 8, 16, rank=0, world_size=1, seed=3)
+    halves = [data.train_batch(corpus, 7, 8, 16, rank=r, world_size=2, seed=3) for r in range(2)]
+    quarters = [data.train_batch(corpus, 7, 8, 16, rank=r, world_size=4, seed=3) for r in range(4)]
+    assert whole.shape == (8, 17) and whole.dtype == torch.int64
+    assert torch.equal(torch.cat(halves), whole) and torch.equal(torch.cat(quarters), whole)
+    assert not torch.equal(data.train_batch(corpus, 8, 8, 16, 0, 1, seed=3), whole)  # another step
+    assert ((whole[:, 1:] - whole[:, :-1]) % 251 == 1).all()  # each row is a contiguous window of the corpus
+    val = data.val_batches(corpus, 2, 8, 16, rank=1, world_size=2)
+    assert len(val) == 2 and val[0].shape == (4, 17)
+
+
+def test_corpus_split_vocabulary_and_exclusions(tmp_path):
+    files = {"a.py": "print('a')\n", "pkg/b.py": "x = 'é'\n", "pkg/bad.py": b"y = '\xff'\n",
+             "site-packages/third.py": "ZZZ\n", "notes.txt": "QQQ\n"}
+    for name in [f"m{i}.py" for i in range(40)]:
+        files[name] = f"v = {name!r}\n"
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    sources = [p.relative_to(tmp_path).as_posix() for p in data.stdlib_sources(tmp_path)]
+    assert sources == sorted(sources) and "site-packages/third.py" not in sources and "notes.txt" not in sources
+    corpus = data.load_corpus(tmp_path)
+    assert corpus.files[0] + corpus.files[1] == len(sources) and corpus.files[1] > 0
+    text = corpus.decode(corpus.train) + corpus.decode(corpus.val)
+    assert "Z" not in text and "Q" not in text  # excluded files contribute nothing
+    assert "é" in text and "\ufffd" in text  # UTF-8 kept, undecodable bytes replaced
+    assert corpus.vocab == sorted(set(text.encode()))
+    assert torch.equal(data.load_corpus(tmp_path).train, corpus.train)  # deterministic
+
+
+def test_the_real_stdlib_splits_about_one_file_in_twenty():
+    root = data.stdlib_root()
+    sources = [p.relative_to(root).as_posix() for p in data.stdlib_sources(root)]
+    assert len(sources) > 100 and "os.py" in sources
+    assert not any(part in ("site-packages", "dist-packages") for s in sources for part in s.split("/"))
+    fraction = sum(map(data.is_validation, sources)) / len(sources)
+    assert 0.02 < fraction < 0.1
