@@ -24,7 +24,7 @@ $(VENV)/.deps:
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib
 	# the integrations are tested with the real frameworks (optional at run time: see pyproject extras)
-	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.4"
+	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
 	touch $@
 
 # --no-build-isolation: link against the torch installed above (isolation would fetch a second one).
