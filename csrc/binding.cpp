@@ -160,7 +160,8 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
       });
 }
 
-AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode) {
+AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                     bool maximize) {
   TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0,
                     "betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
   TORCH_CHECK_VALUE(eps >= 0.0, "eps must be >= 0, got ", eps);
@@ -171,6 +172,7 @@ AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay
   h.eps = eps;
   h.weight_decay = weight_decay;
   h.adam_w_mode = adam_w_mode;
+  h.maximize = maximize;
   return h;
 }
 
@@ -215,11 +217,11 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
                 bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& found_inf, bool maximize) {
   TORCH_CHECK_VALUE(lr >= 0.0, "lr must be >= 0, got ", lr);
   TORCH_CHECK_VALUE(step >= 1, "step counts this update and must be >= 1, got ", step);
   AdamArgs args;
-  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode);
+  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
   args.lr = lr;
   args.step = static_cast<double>(step);
   adam_impl(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, args, {}, grad_scale,
@@ -231,9 +233,9 @@ void adam_step_capturable_(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList param_remainders, const at::Tensor& lr, double beta1,
                            double beta2, double eps, double weight_decay, at::TensorList steps,
                            bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf) {
+                           const std::optional<at::Tensor>& found_inf, bool maximize) {
   AdamArgs args;
-  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode);
+  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
   TORCH_CHECK_VALUE(steps.size() == params.size(), "steps: expected one step tensor per param (",
                     params.size(), "), got ", steps.size());
   adam_impl(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, args, steps,

@@ -13,14 +13,14 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
                 double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
                 bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf);
+                const std::optional<at::Tensor>& found_inf, bool maximize);
 
 void adam_step_capturable_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                            at::TensorList exp_avg_sqs, at::TensorList param_outs,
                            at::TensorList param_remainders, const at::Tensor& lr, double beta1,
                            double beta2, double eps, double weight_decay, at::TensorList steps,
                            bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf);
+                           const std::optional<at::Tensor>& found_inf, bool maximize);
 
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
                                           const std::optional<at::Tensor>& found_inf);

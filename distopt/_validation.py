@@ -16,12 +16,17 @@ def _number(x: float | Tensor) -> float:
 
 def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_decay: float) -> None:
     """Raises ValueError for a negative lr/eps/weight_decay or betas outside [0, 1)."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
-    # A GPU lr (capturable) is not read back: that would synchronise with the device every step.
-    on_gpu = isinstance(lr, Tensor) and lr.device.type != "cpu"
-    if not on_gpu and not _number(lr) >= 0.0:
-        raise ValueError(f"Invalid learning rate: {_number(lr)} (must be >= 0)")
+    compiling = torch.compiler.is_compiling()
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
+        # Not read back on a GPU (capturable: that would synchronise every step) nor under torch.compile
+        # (.item() breaks the graph).
+        if lr.device.type == "cpu" and not compiling and not lr.item() >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr.item()} (must be >= 0)")
+    # Under torch.compile a float lr may be symbolic: compared as it is, float() would specialise on it.
+    elif not (lr if compiling else float(lr)) >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
     if not float(eps) >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
     if not float(weight_decay) >= 0.0:
@@ -80,3 +85,38 @@ def check_param_tensors(params: list[Tensor], owner: str) -> torch.device | None
         if not is_dense(p):
             raise ValueError(f"{owner}: params must be dense tensors (non-overlapping, no gaps)")
     return next(iter(devices)) if devices else None
+
+
+# ---------------------------------------------------------------------- torch.optim.AdamW's options
+
+# Refused when true: the fused kernel has no AMSGrad moment and no autograd formula.
+REFUSED_OPTIONS = {
+    "amsgrad": "amsgrad=True (AMSGrad keeps a max of the second moments, which the fused kernel does not have)",
+    "differentiable": "differentiable=True (autograd through the update: the fused kernel has no backward)",
+}
+# None, True or False, all honoured alike: they pick torch's implementation; distopt always runs its fused kernel.
+IMPLEMENTATION_OPTIONS = ("foreach", "fused")
+
+
+def weight_decay_mode(adam_w_mode: bool | None, decoupled_weight_decay: bool | None, where: str = "") -> bool:
+    """The one switch set by apex's ``adam_w_mode`` and torch's ``decoupled_weight_decay`` (True: AdamW's
+    decoupled decay; False: Adam's L2 added to the gradient); True if neither is given."""
+    given = {bool(v) for v in (adam_w_mode, decoupled_weight_decay) if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"{where}adam_w_mode={adam_w_mode} and decoupled_weight_decay={decoupled_weight_decay} "
+                         "contradict each other: they are one switch (True: AdamW, False: Adam with L2); set one")
+    return given.pop() if given else True
+
+
+def check_adamw_options(group: dict, where: str = "") -> None:
+    """Raises ValueError for a torch.optim.AdamW option value (in a param group or the defaults) that the
+    fused update cannot honour; ``where`` starts the message (e.g. ``"FusedAdam param_groups[1]: "``)."""
+    for key, what in REFUSED_OPTIONS.items():
+        if group.get(key):
+            raise ValueError(f"{where}{what} is not supported")
+    for key in IMPLEMENTATION_OPTIONS:
+        if group.get(key) not in (None, True, False):
+            raise ValueError(f"{where}{key} must be None, True or False, got {group[key]!r}")
+    if not isinstance(group.get("maximize", False), bool):
+        raise ValueError(f"{where}maximize must be True or False, got {group['maximize']!r}")
+    weight_decay_mode(group.get("adam_w_mode"), group.get("decoupled_weight_decay"), where)

@@ -14,27 +14,51 @@ from ._state_dicts import check_saved_groups, restore_hyperparameters
 from ._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
+    check_adamw_options,
     check_graph_lr,
     check_param_tensors,
     check_unique_params,
+    weight_decay_mode,
 )
 from .grad_scaling import GradScaling
+
+# Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
+# dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
+_PICKLED = ("master_weights", "capturable", "_device", "_inv_scale", "_clip_coef", "_found_inf", "_unscaled", "_clips")
+_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs")
 
 
 class FusedAdam(GradScaling, torch.optim.Optimizer):
     """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
     model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
 
-    Args mirror ``torch.optim.AdamW``; defaults are AdamW's (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2):
-      adam_w_mode: True (default) decouples weight decay (AdamW); False adds it to the gradient
-        (``torch.optim.Adam``). Stored per param group, so groups may differ.
+    Takes every ``torch.optim.AdamW`` argument, with AdamW's defaults (lr=1e-3, betas=(0.9, 0.999),
+    eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False, foreach=None, capturable=False,
+    differentiable=False, fused=None), and torch.optim.Adam's ``decoupled_weight_decay``; param groups
+    carry the same keys as AdamW's (plus ``adam_w_mode``), read at every ``step()``:
+      maximize: ascend the objective (the kernel negates the gradient). Per group.
+      adam_w_mode / decoupled_weight_decay: one switch under two names (apex's and torch's), kept equal
+        in every group: True (default) decouples weight decay (AdamW); False adds it to the gradient
+        (``torch.optim.Adam``). Giving both with different values raises ValueError. Per group.
+      foreach, fused: accepted (None, True or False) and change nothing: the update is always
+        distopt's fused multi-tensor kernel.
+      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward). A
+        group whose option is changed to an unsupported value makes ``step()`` raise before anything
+        changes.
       master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["param"]``;
         the update runs on the masters and writes the model params in the same pass. Off by default:
         16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).
       capturable: keep lr (as a float32 tensor in ``group["lr"]``) and each param's step on the GPU
         and never synchronise, so ``step()`` can be captured in a CUDA graph. Requires CUDA params.
         LR schedulers keep working: they update the lr tensor in place, and a graph replays with it.
+        Set for the whole optimizer: ``group["capturable"]`` only mirrors it (torch.compile sets it
+        to True itself for CUDA params, which changes nothing here).
+
+    Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
+    count: lr and the steps reach the kernel as tensors (the capturable op), and the state is created
+    outside the graph (``_init_group``). A float lr changed by a scheduler costs one recompile, when
+    Dynamo first sees it change (it guards on every float in ``param_groups``, as for torch.optim);
+    a tensor lr (``lr=torch.tensor(1e-3)``, updated in place by schedulers) costs none.
 
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, the param's shape and memory format), so state dicts move
@@ -55,13 +79,23 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        adam_w_mode: bool = True,
-        master_weights: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
         capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool | None = None,
+        adam_w_mode: bool | None = None,
+        master_weights: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        mode = weight_decay_mode(adam_w_mode, decoupled_weight_decay, "FusedAdam: ")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=mode, adam_w_mode=mode)
+        check_adamw_options(defaults, "FusedAdam: ")
         self.master_weights = master_weights
         self.capturable = capturable
         super().__init__(params, defaults)  # checks each group through add_param_group
@@ -84,6 +118,13 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        index = len(self.param_groups)
+        where = f"FusedAdam param_groups[{index}]: "
+        if isinstance(param_group, dict):
+            # A group naming the weight-decay switch once sets both names (not the default for the other).
+            given = (param_group.get("adam_w_mode"), param_group.get("decoupled_weight_decay"))
+            if given != (None, None):
+                param_group["adam_w_mode"] = param_group["decoupled_weight_decay"] = weight_decay_mode(*given, where)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -91,6 +132,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             check_unique_params(all_params)
             self._check_params(all_params)
             check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_adamw_options(group, where)
         except Exception:
             self.param_groups.pop()  # a rejected group leaves the optimizer as it was
             raise
@@ -143,12 +185,21 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
         # Everything is checked before anything (state included) is touched.
         work = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_adamw_options(group, f"FusedAdam param_groups[{index}]: ")
             params = [p for p in group["params"] if p.grad is not None]
             work.append((group, params, [self._check_grad(p) for p in params]))
 
         grad_scale, found_inf = self._amp_scalars()
+        if torch.compiler.is_compiling():
+            self._init_group()
+            for group, params, grads in work:
+                if params:
+                    self._step_group_traced(group, params, grads, grad_scale, found_inf)
+            self._reset_grad_scaling()
+            return loss
+
         if found_inf is not None and not self.capturable and found_inf.item() != 0:
             self._reset_grad_scaling()
             return loss  # an inf/nan step: nothing changes, the step counters included
@@ -160,7 +211,22 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        if torch.compiler.is_compiling():
+            # torch's zero_grad is excluded from tracing (a graph break); this is what it does.
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                        continue
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        else:
+            super().zero_grad(set_to_none)
         self._reset_grad_scaling()
 
     def _amp_scalars(self) -> tuple[Tensor | None, Tensor | None]:
@@ -200,31 +266,40 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             sq = sq + total.square()
         return torch.cat([sq, flag])
 
-    def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
+    @staticmethod
+    def _hyper(group: dict[str, Any], grad_scale: Tensor | None) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
-        hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                     adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
-        # One kernel call per combination of dtypes (and of step number, in eager mode).
+        return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)
+
+    def _buckets(self, params, grads, eager: bool) -> dict[tuple, list[tuple[Tensor, Tensor, dict]]]:
+        """(param, grad, state) entries per kernel call: one per combination of dtypes (and, in eager
+        mode, of step number, which the eager op takes as a number)."""
         buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
         for p, g in zip(params, grads):
             state = self._init_state(p)
-            master = state.get("param")
-            key = (p.dtype, g.dtype, master is not None)
-            if not self.capturable:
+            key = (p.dtype, g.dtype, "param" in state)
+            if eager:
                 key += (int(state["step"].item()),)
             buckets[key].append((p, g, state))
+        return buckets
 
-        for key, entries in buckets.items():
-            has_master = key[2]
-            states = [s for _, _, s in entries]
-            lists = dict(
-                params=[s["param"] if has_master else p for p, _, s in entries],
-                grads=[g for _, g, _ in entries],
-                exp_avgs=[s["exp_avg"] for s in states],
-                exp_avg_sqs=[s["exp_avg_sq"] for s in states],
-                param_outs=[p for p, _, _ in entries] if has_master else (),
-            )
-            steps = [s["step"] for s in states]
+    @staticmethod
+    def _lists(entries: list[tuple[Tensor, Tensor, dict]], has_master: bool) -> dict[str, Any]:
+        states = [s for _, _, s in entries]
+        return dict(
+            params=[s["param"] if has_master else p for p, _, s in entries],
+            grads=[g for _, g, _ in entries],
+            exp_avgs=[s["exp_avg"] for s in states],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            param_outs=[p for p, _, _ in entries] if has_master else (),
+        )
+
+    def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
+        hyper = self._hyper(group, grad_scale)
+        for key, entries in self._buckets(params, grads, eager=not self.capturable).items():
+            lists = self._lists(entries, has_master=key[2])
+            steps = [s["step"] for _, _, s in entries]
             if self.capturable:
                 check_graph_lr(self.param_groups, self._graph_lrs, index)
                 lr = group["lr"] = self._device_lr(group["lr"], self._device)  # a number set after construction
@@ -236,15 +311,76 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
                 torch._foreach_add_(steps, 1)
 
-    # ------------------------------------------------------------------ state dicts
+    # ------------------------------------------------------------------ torch.compile
 
+    def _init_group(self) -> None:
+        """Creates the state of every param that has a gradient, with the steps on the params' device.
+
+        Dynamo runs an optimizer's ``_init_group`` as plain Python while tracing and only then builds
+        its view of ``self.state``, so the state exists before the graph reads it: one compile, not one
+        before and one after the first step. Hence one call for all groups, before any state is read
+        (a state created after Dynamo's view was built would be created again inside the graph).
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self._init_state(p)
+                    if state["step"].device != p.device:  # Dynamo moves them too (capturable op: one device)
+                        state["step"] = state["step"].to(p.device)
+
+    def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
+        """The step under torch.compile: lr and the step counts reach the kernel as tensors (the
+        capturable op), so the graph neither reads them back (.item() breaks it) nor guards on them."""
+        hyper = self._hyper(group, grad_scale)
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            lr = lr.to(device=self._device, dtype=torch.float32).reshape(())
+        else:  # a number: a constant, or after Dynamo has seen it change, a symbolic float
+            lr = torch.full((), lr, dtype=torch.float32, device=self._device)
+        for key, entries in self._buckets(params, grads, eager=False).items():
+            steps = [s["step"] for _, _, s in entries]
+            torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
+            ops.adam_step_capturable_(**self._lists(entries, has_master=key[2]), lr=lr, steps=steps,
+                                      found_inf=found_inf, **hyper)
+
+    # ------------------------------------------------------------------ pickling, state dicts
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # torch's: defaults, state and param_groups (hooks are not carried)
+        state.update((k, self.__dict__[k]) for k in _PICKLED if k in self.__dict__)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restores a pickled or deep-copied optimizer: torch's part (empty hook dicts, the step
+        wrapper), then ours; attributes a pickle cannot hold (the GradScaler weakref) or that name the
+        original's tensors (caches, a captured graph's lrs) start empty."""
+        super().__setstate__(state)
+        for key in _TRANSIENT:
+            self.__dict__.setdefault(key, None)
+
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``.
 
         Moments are kept in fp32 whatever dtype they were saved in (torch saves them in the param
-        dtype); a missing ``param`` is taken from the current param. A torch group's
-        ``decoupled_weight_decay`` sets ``adam_w_mode``. Everything is checked before anything changes.
+        dtype); a missing ``param`` is taken from the current param. lr, betas, eps, weight_decay,
+        maximize and the weight-decay switch come back (a torch group's ``decoupled_weight_decay`` sets
+        ``adam_w_mode``); foreach, fused and capturable stay this optimizer's. Everything is checked
+        before anything changes. Load-state-dict pre and post hooks run as in torch.optim: a pre hook
+        gets a shallow copy of ``state_dict`` and may return a replacement; post hooks run after loading.
         """
+        state_dict = state_dict.copy()  # shallow, as torch.optim does: pre hooks may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"FusedAdam.load_state_dict: expected a dict, got {type(state_dict).__name__}")
         saved_groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")
         if not isinstance(saved_state, dict):

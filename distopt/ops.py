@@ -30,13 +30,13 @@ _SCHEMAS = {
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, float lr, float beta1, float beta2, "
         "float eps, float weight_decay, int step, bool adam_w_mode, Tensor? grad_scale, "
-        "Tensor? found_inf) -> ()"
+        "Tensor? found_inf, bool maximize=False) -> ()"
     ),
     "adam_step_capturable_": (
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, Tensor lr, float beta1, float beta2, "
         "float eps, float weight_decay, Tensor[] steps, bool adam_w_mode, Tensor? grad_scale, "
-        "Tensor? found_inf) -> ()"
+        "Tensor? found_inf, bool maximize=False) -> ()"
     ),
     "l2norm": "(Tensor[] tensors, Tensor(a!)? found_inf) -> (Tensor, Tensor)",
     "scale_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor scale, Tensor(b!)? found_inf) -> ()",
@@ -132,10 +132,12 @@ def adam_step_(
     param_remainders: Sequence[Tensor] = (),
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """One fused Adam/AdamW update of every tensor, in place, with lr and step given as numbers.
 
-    ``g = grad * grad_scale``; Adam (L2 decay added to g) or AdamW (decoupled decay); bias correction
+    ``g = grad * grad_scale``, negated with ``maximize`` (ascend the objective, as torch's
+    ``maximize=True``); Adam (L2 decay added to g) or AdamW (decoupled decay); bias correction
     for ``step`` (this update's number, >= 1). Writes params (fp32/fp16/bf16), exp_avgs and
     exp_avg_sqs (fp32), and, if given, ``param_outs`` (a copy in any float dtype, e.g. the bf16 model
     params of fp32 masters; entries aliasing their param are skipped). With ``param_remainders``
@@ -146,7 +148,7 @@ def adam_step_(
         return
     torch.ops.distopt.adam_step_(
         params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
-        lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale, found_inf,
+        lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale, found_inf, maximize,
     )  # fmt: skip
 
 
@@ -167,6 +169,7 @@ def adam_step_capturable_(
     param_remainders: Sequence[Tensor] = (),
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """``adam_step_`` reading lr and each tensor's step from device tensors (no host sync).
 
@@ -178,7 +181,7 @@ def adam_step_capturable_(
         return
     torch.ops.distopt.adam_step_capturable_(
         params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
-        lr, beta1, beta2, eps, weight_decay, steps, adam_w_mode, grad_scale, found_inf,
+        lr, beta1, beta2, eps, weight_decay, steps, adam_w_mode, grad_scale, found_inf, maximize,
     )  # fmt: skip
 
 

@@ -63,6 +63,7 @@ def _adam(
     adam_w_mode: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    maximize: bool,
 ) -> None:
     if not params:
         return
@@ -78,6 +79,8 @@ def _adam(
         else:
             p64 = p.double()
         g64 = g.double() * scale
+        if maximize:
+            g64 = -g64
         if not adam_w_mode and weight_decay != 0:
             g64 = g64 + weight_decay * p64
         m64 = m.double() * beta1 + (1 - beta1) * g64
@@ -117,9 +120,10 @@ def adam_step_(
     adam_w_mode: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    maximize: bool = False,
 ) -> None:
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
-          weight_decay, [step] * len(params), adam_w_mode, grad_scale, found_inf)
+          weight_decay, [step] * len(params), adam_w_mode, grad_scale, found_inf, maximize)
 
 
 def adam_step_capturable_(
@@ -138,9 +142,10 @@ def adam_step_capturable_(
     adam_w_mode: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    maximize: bool = False,
 ) -> None:
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
-          weight_decay, steps, adam_w_mode, grad_scale, found_inf)
+          weight_decay, steps, adam_w_mode, grad_scale, found_inf, maximize)
 
 
 def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:

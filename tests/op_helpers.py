@@ -36,9 +36,11 @@ CHUNK = 65536  # elements per CUDA block (kChunkSize in csrc/cuda/multi_tensor_a
 EDGE_SIZES = (1, 3, 7, CHUNK - 1, CHUNK, CHUNK + 1)
 BIG_SIZES = (2 * CHUNK + 5, 300_007)
 
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adam_w_mode=True)
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adam_w_mode=True, maximize=False)
 # (adam_w_mode, weight_decay): AdamW with decoupled decay and Adam with L2 decay folded into the grad.
 MODES = [pytest.param(True, 0.1, id="adamw"), pytest.param(False, 0.1, id="adam_l2")]
+# maximize: False descends the objective, True ascends it (the gradient negated, as torch's maximize=True).
+MAXIMIZE = [pytest.param(False, id="minimize"), pytest.param(True, id="maximize")]
 GRAD_SCALE = 0.37  # not a power of two: the fp32 product grad * scale rounds
 NORM_RTOL = 1e-5  # l2norm (fp32 squares, wider sums) against the float64 reference
 
@@ -300,7 +302,7 @@ def run_reference_adam(state: AdamState, *, step, grad_scale=None, found_inf=Non
     h = {**HYPER, **hyper}
     reference.adam_step_(
         *state.lists(), h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], step,
-        h["adam_w_mode"], grad_scale, found_inf,
+        h["adam_w_mode"], grad_scale, found_inf, h["maximize"],
     )  # fmt: skip
 
 
@@ -309,7 +311,7 @@ def run_reference_adam_capturable(state: AdamState, *, lr, steps, grad_scale=Non
     h = {**HYPER, **hyper}
     reference.adam_step_capturable_(
         *state.lists(), lr, h["beta1"], h["beta2"], h["eps"], h["weight_decay"], steps,
-        h["adam_w_mode"], grad_scale, found_inf,
+        h["adam_w_mode"], grad_scale, found_inf, h["maximize"],
     )  # fmt: skip
 
 

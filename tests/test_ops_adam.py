@@ -1,6 +1,7 @@
 """CPU tests of the fused Adam ops (``ops.adam_step_``, ``ops.adam_step_capturable_``) against the
-pure-PyTorch oracle (``distopt.reference``): every dtype combination, bf16 + int16 remainders, chunk-edge
-and multi-chunk sizes, unaligned and channels_last layouts, the capturable op, and found_inf skips.
+pure-PyTorch oracle (``distopt.reference``): every dtype combination (descending and with ``maximize``),
+bf16 + int16 remainders, chunk-edge and multi-chunk sizes, unaligned and channels_last layouts, the
+capturable op, and found_inf skips.
 
 The CPU kernels share the per-element math header with the CUDA kernels (csrc/math/adam.h), so these
 tests check that math; tests/test_ops_cuda.py runs the same scenarios on a GPU. Helpers and conventions:
@@ -30,6 +31,7 @@ from op_helpers import (
     GRAD_SCALE,
     HYPER,
     INT16,
+    MAXIMIZE,
     MODES,
     OUT_DTYPES,
     assert_adam_bits_equal,
@@ -59,33 +61,81 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("maximize", MAXIMIZE)
 @pytest.mark.parametrize("step", [1, 7])
 @pytest.mark.parametrize("use_grad_scale", [False, True], ids=["no_scale", "grad_scale"])
 @pytest.mark.parametrize("adam_w_mode,weight_decay", MODES)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("param_dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_adam_dtype_matrix(param_dtype, grad_dtype, out_dtype, adam_w_mode, weight_decay, use_grad_scale, step):
-    """Every params x grads x param_outs dtype combination matches the reference on chunk-edge sizes."""
+def test_adam_dtype_matrix(
+    param_dtype, grad_dtype, out_dtype, adam_w_mode, weight_decay, use_grad_scale, step, maximize
+):
+    """Every params x grads x param_outs dtype combination matches the reference on chunk-edge sizes,
+    descending and (maximize) ascending."""
     state = make_adam_state(EDGE_SIZES, param_dtype, grad_dtype, out_dtype)
     grad_scale = scalar(GRAD_SCALE) if use_grad_scale else None
     check_adam_against_reference(
-        state, step=step, grad_scale=grad_scale, adam_w_mode=adam_w_mode, weight_decay=weight_decay
+        state, step=step, grad_scale=grad_scale, adam_w_mode=adam_w_mode, weight_decay=weight_decay, maximize=maximize
     )
     assert_param_outs_are_casts(state)
 
 
+@pytest.mark.parametrize("maximize", MAXIMIZE)
 @pytest.mark.parametrize("step", [1, 7])
 @pytest.mark.parametrize("adam_w_mode,weight_decay", MODES)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("grad_dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_adam_bf16_remainders_matrix(grad_dtype, out_dtype, adam_w_mode, weight_decay, step):
+def test_adam_bf16_remainders_matrix(grad_dtype, out_dtype, adam_w_mode, weight_decay, step, maximize):
     """bf16 params + int16 remainders (with and without param_outs) track the reference's fp32 masters."""
     state = make_adam_state(EDGE_SIZES, BF16, grad_dtype, out_dtype, remainders=True)
     check_adam_against_reference(
-        state, step=step, grad_scale=scalar(GRAD_SCALE), adam_w_mode=adam_w_mode, weight_decay=weight_decay
-    )
+        state, step=step, grad_scale=scalar(GRAD_SCALE), adam_w_mode=adam_w_mode, weight_decay=weight_decay,
+        maximize=maximize,
+    )  # fmt: skip
     assert_param_outs_are_casts(state)
+
+
+MAXIMIZE_CASES = [
+    pytest.param(FP32, FP32, None, False, id="fp32"),
+    pytest.param(FP32, BF16, FP16, False, id="fp32-bf16_grad-fp16_out"),
+    pytest.param(FP16, FP32, BF16, False, id="fp16-fp32_grad-bf16_out"),
+    pytest.param(BF16, FP16, FP32, True, id="bf16_remainders-fp16_grad-fp32_out"),
+]
+
+
+@pytest.mark.parametrize("variant", ["eager", "capturable"])
+@pytest.mark.parametrize("adam_w_mode,weight_decay", MODES)
+@pytest.mark.parametrize("param_dtype,grad_dtype,out_dtype,remainders", MAXIMIZE_CASES)
+def test_adam_maximize_is_the_update_of_the_negated_gradient(
+    param_dtype, grad_dtype, out_dtype, remainders, adam_w_mode, weight_decay, variant
+):
+    """maximize=True writes exactly (bit for bit) what maximize=False writes for the negated grads:
+    negation is exact in every dtype, so the kernel must negate g itself, before the L2 term, as
+    torch does. The two runs also differ from each other (the flag is not ignored)."""
+    state = make_adam_state(EDGE_SIZES, param_dtype, grad_dtype, out_dtype, remainders=remainders)
+    negated = state.clone()
+    negated.grads = [-g for g in state.grads]
+    plain = state.clone()
+    hyper = dict(grad_scale=scalar(GRAD_SCALE), adam_w_mode=adam_w_mode, weight_decay=weight_decay)
+    for s, maximize in ((state, True), (negated, False), (plain, False)):
+        if variant == "eager":
+            run_adam(s, step=3, maximize=maximize, **hyper)
+        else:
+            run_adam_capturable(s, lr=scalar(3e-3), steps=[scalar(3.0)] * len(s.params), maximize=maximize, **hyper)
+    assert_adam_bits_equal(state, negated)
+    assert not torch.equal(state.exp_avgs[-1], plain.exp_avgs[-1])
+    assert not torch.equal(state.masters()[-1], plain.masters()[-1])
+
+
+def test_negative_control_maximize_ignored_is_caught():
+    """A kernel run with maximize=True fails against the reference run with maximize=False."""
+    state = make_adam_state(EDGE_SIZES, FP32, FP32, BF16)
+    expected = state.clone()
+    run_reference_adam(expected, step=3, maximize=False)
+    run_adam(state, step=3, maximize=True)
+    with pytest.raises(AssertionError):
+        assert_adam_close(state, expected)
 
 
 BIG_CASES = [
@@ -270,10 +320,11 @@ def test_adam_remainders_bit_identical_to_fp32_params(grad_dtype, out_dtype, ada
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("maximize", MAXIMIZE)
 @pytest.mark.parametrize("adam_w_mode,weight_decay", MODES)
 @pytest.mark.parametrize("param_dtype,grad_dtype,out_dtype,remainders", CAPTURABLE_CASES)
 def test_adam_capturable_matches_eager_and_reference(
-    param_dtype, grad_dtype, out_dtype, remainders, adam_w_mode, weight_decay
+    param_dtype, grad_dtype, out_dtype, remainders, adam_w_mode, weight_decay, maximize
 ):
     """lr and per-tensor steps (shared and distinct step tensors) read from tensors give exactly the
     eager op's result for each step (both compute the coefficients in double on the host), and match
@@ -287,6 +338,7 @@ def test_adam_capturable_matches_eager_and_reference(
         grad_scale=scalar(GRAD_SCALE),
         adam_w_mode=adam_w_mode,
         weight_decay=weight_decay,
+        maximize=maximize,
     )
 
 

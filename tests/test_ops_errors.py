@@ -264,22 +264,27 @@ def test_l2norm_empty_list_raises():
 # ----------------------------------------------------------------------------------------------------
 
 
-def _opcheck_adam(remainders: bool, out_dtype):
+def _opcheck_adam(remainders: bool, out_dtype, maximize: bool | None = None):
+    """Positional args; ``maximize=None`` leaves the schema's default (False) to the dispatcher."""
     s = make_adam_state([5, 3], BF16 if remainders else FP32, FP16, out_dtype, remainders=remainders)
-    return (*s.lists(), 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, scalar(0.5), scalar(0.0))
+    args = (*s.lists(), 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, scalar(0.5), scalar(0.0))
+    return args if maximize is None else (*args, maximize)
 
 
-def _opcheck_capturable():
+def _opcheck_capturable(maximize: bool | None = None):
     s = make_adam_state([5, 3], FP32, BF16, FP16)
     lr, steps = scalar(1e-3), [scalar(2.0), scalar(4.0)]
-    return (*s.lists(), lr, 0.9, 0.999, 1e-8, 0.1, steps, False, scalar(0.5), scalar(0.0))
+    args = (*s.lists(), lr, 0.9, 0.999, 1e-8, 0.1, steps, False, scalar(0.5), scalar(0.0))
+    return args if maximize is None else (*args, maximize)
 
 
 OPCHECK_CASES = {
     "adam_step_": lambda: _opcheck_adam(False, BF16),
     "adam_step_-no_param_outs": lambda: _opcheck_adam(False, None),
     "adam_step_-remainders": lambda: _opcheck_adam(True, FP32),
+    "adam_step_-maximize": lambda: _opcheck_adam(False, BF16, maximize=True),
     "adam_step_capturable_": _opcheck_capturable,
+    "adam_step_capturable_-maximize": lambda: _opcheck_capturable(maximize=True),
     "l2norm": lambda: (randn_list([5, 3], BF16), scalar(0.0)),
     "l2norm-no_flag": lambda: (randn_list([5, 3], FP32), None),
     "scale_": lambda: (randn_list([5, 3], FP16), randn_list([5, 3], FP32), scalar(0.5), scalar(0.0)),

@@ -10,6 +10,7 @@ namespace {
 
 template <typename P, typename G, typename O, bool kRem>
 void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float grad_scale) {
+  const float gf = grad_factor(grad_scale, c);
   auto* p = static_cast<P*>(tl.lists[kParam].data[i]);
   const auto* g = static_cast<const G*>(tl.lists[kGrad].data[i]);
   auto* m = static_cast<float*>(tl.lists[kExpAvg].data[i]);
@@ -29,7 +30,7 @@ void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float gr
       pj = to_float(p[j]);
     }
     float mj = m[j], vj = v[j];
-    adam_update(pj, to_float(g[j]) * grad_scale, mj, vj, c);
+    adam_update(pj, to_float(g[j]) * gf, mj, vj, c);
     m[j] = mj;
     v[j] = vj;
     if constexpr (kRem) {

@@ -1,5 +1,6 @@
-// Fused Adam/AdamW update on CUDA: grad * grad_scale, moments, bias correction, fp32 (or bf16 +
-// int16 remainder) param write and the optional model-precision param_out copy, in one pass.
+// Fused Adam/AdamW update on CUDA: grad * grad_scale (negated with maximize), moments, bias
+// correction, fp32 (or bf16 + int16 remainder) param write and the optional model-precision
+// param_out copy, in one pass.
 #include <type_traits>
 
 #include "../common/dispatch.h"
@@ -68,7 +69,7 @@ struct AdamOp {
       const double step = step_ptr != nullptr ? *step_ptr : a.step;
       c = adam_coeffs(a.hyper, lr, step);
     }
-    const float gs = a.grad_scale != nullptr ? *a.grad_scale : 1.0f;
+    const float gs = grad_factor(a.grad_scale != nullptr ? *a.grad_scale : 1.0f, c);
 
     int64_t done = 0;
     const bool aligned = is_aligned(p) && is_aligned(g) && is_aligned(m) && is_aligned(v) &&

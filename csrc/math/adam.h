@@ -21,10 +21,12 @@ struct AdamHyper {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool adam_w_mode = true;  // true: decoupled decay (AdamW); false: L2 added to the gradient (Adam)
+  bool maximize = false;    // true: ascend the objective (the gradient is negated, as torch's maximize)
 };
 
 // Coefficients of one update, derived once per (lr, step) from AdamHyper.
 struct AdamCoeffs {
+  float grad_sign;  // -1 with maximize, else 1
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
   float l2;         // Adam mode: g += l2 * p; 0 in AdamW mode
   float decay;      // AdamW mode: p *= 1 - lr * wd; 1 in Adam mode
@@ -35,6 +37,7 @@ struct AdamCoeffs {
 // Bias corrections in double, like torch computes them in Python. `step` counts this update (>= 1).
 DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
   AdamCoeffs c;
+  c.grad_sign = h.maximize ? -1.0f : 1.0f;
   c.beta1 = static_cast<float>(h.beta1);
   c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
@@ -47,7 +50,13 @@ DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
   return c;
 }
 
-// One Adam/AdamW update of a single element; g is already multiplied by the grad scale.
+// The factor a traversal multiplies every gradient element by before adam_update: the grad scale,
+// negated with maximize. torch's maximize negates the gradient before the L2 term is added; since
+// rounding is symmetric in sign, g * -s is exactly -(g * s), so folding the sign into the factor
+// gives those bits at no cost per element.
+DISTOPT_HD float grad_factor(float grad_scale, const AdamCoeffs& c) { return c.grad_sign * grad_scale; }
+
+// One Adam/AdamW update of a single element; g is already multiplied by grad_factor().
 DISTOPT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoeffs& c) {
   // Unconditional (l2 is 0 in AdamW mode): adding 0 * p leaves g unchanged for any finite param
   // (even a -0 gradient ends as the same moments), and a branch here stops the CPU loop vectorizing.

@@ -31,7 +31,6 @@ import warnings
 
 import pytest
 import torch
-from soak_models import Scenario, batch, make_model, make_scenario, param_groups
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,6 +38,7 @@ from distopt import DistributedFusedAdam, FusedAdam
 
 import tolerances
 from harness import run_ranks
+from soak_models import Scenario, batch, make_model, make_scenario, param_groups
 
 SEEDS_ENV = "DISTOPT_SOAK_SEEDS"
 # Seeds that found bugs, kept as regression cases in the default run (each runs in well under a second).
