@@ -12,12 +12,21 @@ from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
 
-RESTORED = ("betas", "eps", "weight_decay", "adam_w_mode")
+RESTORED = ("betas", "eps", "weight_decay")
+
+
+def _weight_decay_mode(saved: dict[str, Any]) -> bool | None:
+    """The saved weight-decay switch: apex's adam_w_mode or torch's decoupled_weight_decay (None: neither)."""
+    modes = {bool(saved[k]) for k in ("adam_w_mode", "decoupled_weight_decay") if saved.get(k) is not None}
+    if len(modes) > 1:
+        raise ValueError("a saved param group has adam_w_mode and decoupled_weight_decay that disagree")
+    return modes.pop() if modes else None
 
 
 def check_saved_groups(groups: list[dict[str, Any]], saved_groups: Any) -> None:
     """Raises ValueError unless `saved_groups` can be loaded into `groups` (same number of groups and
-    of params per group, valid hyperparameters, no amsgrad/maximize run)."""
+    of params per group, valid hyperparameters, no amsgrad run; a maximize run only into an optimizer
+    whose groups have a ``maximize`` key, i.e. that supports it)."""
     if not isinstance(saved_groups, list):
         raise ValueError("not an optimizer state dict: 'param_groups' must be a list")
     if len(saved_groups) != len(groups):
@@ -30,21 +39,30 @@ def check_saved_groups(groups: list[dict[str, Any]], saved_groups: Any) -> None:
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"a saved param group has {len(saved['params'])} params, "
                              f"the optimizer's has {len(group['params'])}")
-        if saved.get("amsgrad") or saved.get("maximize"):
-            raise ValueError("cannot continue a run that used amsgrad or maximize")
+        if saved.get("amsgrad"):
+            raise ValueError("cannot continue a run that used amsgrad")
+        if saved.get("maximize") and "maximize" not in group:
+            raise ValueError("cannot continue a run that used maximize: this optimizer does not support it")
+        _weight_decay_mode(saved)
         check_adam_hyperparameters(saved["lr"], saved["betas"], saved["eps"], saved["weight_decay"])
 
 
 def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
-    """Copies lr, betas, eps, weight_decay and adam_w_mode (a torch group's decoupled_weight_decay
-    sets it) from the saved groups. A tensor lr (capturable) is filled in place, so a captured CUDA
-    graph keeps reading it."""
+    """Copies lr, betas, eps, weight_decay, the weight-decay switch (adam_w_mode, and
+    decoupled_weight_decay where the group has that key: a torch group's sets both) and, into groups
+    with that key, maximize (absent from a group saved before it existed: False) from the saved
+    groups. A tensor lr (capturable) is filled in place, so a captured CUDA graph keeps reading it."""
     for group, saved in zip(groups, saved_groups):
         for key in RESTORED:
             if key in saved:
                 group[key] = tuple(saved[key]) if key == "betas" else saved[key]
-        if "decoupled_weight_decay" in saved:
-            group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+        mode = _weight_decay_mode(saved)
+        if mode is not None:
+            group["adam_w_mode"] = mode
+            if "decoupled_weight_decay" in group:
+                group["decoupled_weight_decay"] = mode
+        if "maximize" in group:
+            group["maximize"] = bool(saved.get("maximize", False))
         lr = float(saved["lr"])
         if hasattr(group["lr"], "fill_"):
             group["lr"].fill_(lr)
@@ -68,9 +86,11 @@ def tensor_crc32(t: Tensor) -> int:
     return zlib.crc32((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 
-def state_checksums(state: dict[Any, dict[str, Any]]) -> dict[Any, dict[str, int]]:
-    """{param key: {state key: crc32}} for every tensor in an optimizer's per-param state."""
-    return {k: {name: tensor_crc32(v) for name, v in entry.items() if isinstance(v, Tensor)}
+def state_checksums(state: dict[Any, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """{str(param key): {state key: crc32}} for every tensor in an optimizer's per-param state. Keyed
+    by text: torch.distributed.checkpoint loads a nested non-tensor value back under ``str(key)`` (a
+    template's int keys would keep the template's checksums)."""
+    return {str(k): {name: tensor_crc32(v) for name, v in entry.items() if isinstance(v, Tensor)}
             for k, entry in state.items()}
 
 
@@ -81,7 +101,7 @@ def check_state_checksums(state: dict[Any, dict[str, Any]], checksums: Any) -> N
     if not isinstance(checksums, dict):
         raise ValueError(f"the state dict's 'checksums' entry is a {type(checksums).__name__}, not a dict")
     for k, entry in state.items():
-        recorded = checksums.get(k, checksums.get(str(k)))
+        recorded = checksums.get(str(k), checksums.get(k))  # text keys since checksums were keyed by text
         for name, value in entry.items():
             if not isinstance(value, Tensor):
                 continue

@@ -7,7 +7,10 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   CRC-32 of every state tensor). It is torch.optim.AdamW's format with one more state key
   (``param``) and two top-level keys that AdamW and FusedAdam ignore, so it loads into both, and
   theirs (which have no checksums) load here. It is assembled bucket by bucket (one all-gather of
-  the bucket's shards at a time), so the extra device memory stays near one bucket.
+  the bucket's shards at a time), so the extra device memory stays near one bucket; the result is
+  the whole state on the CPU of every rank (of rank 0 only with ``gather_on_rank0``). It is also what
+  torch.distributed.checkpoint's ``get_state_dict`` reads, which re-keys it by param name (FQN):
+  loading accepts either key, matched through the saved ``param_groups`` as torch.optim does.
 * ``save(opt, path, extra)`` / ``load(opt, path, extra)``: sharded through
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
@@ -55,6 +58,7 @@ from .._state_dicts import (
 )
 from .buckets import BucketRuntime, flat
 from .comm import Comm
+from .state_view import fragment_master
 
 FORMAT = "distopt.per_param.v1"
 SHARDED_FORMAT = "distopt.sharded.v2"
@@ -100,36 +104,54 @@ def _groups_out(opt: ShardedOptimizer) -> list[dict[str, Any]]:
 
 
 def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False) -> dict[str, Any] | None:
-    """The per-param form, on every rank (or on rank 0 only: other ranks return None)."""
+    """The per-param form, on every rank (or on rank 0 only: other ranks return None). Before the
+    bucket layout is built it is the state a fresh optimizer starts from (step 0, zero moments, the
+    params as masters), so that it can serve as the template torch.distributed.checkpoint loads into."""
     keep = not gather_on_rank0 or dist.get_rank(opt.comm.process_group) == 0
     buckets = opt.shard_buckets(build=False)
     params = opt.checkpoint_params()
-    state: dict[int, dict[str, Tensor]] = {}
-    if buckets:
-        flat_state = {i: torch.empty(3, p.numel(), dtype=torch.float32) for i, p in enumerate(params)} if keep else {}
-        for b in buckets:
-            whole = b.gather_state(opt.comm, params)
-            if not keep:
-                continue
-            whole = whole.cpu()
-            for piece in b.spec.pieces:
-                dst = flat_state[piece.param][:, piece.param_offset : piece.param_offset + piece.numel]
-                dst.copy_(whole[:, piece.bucket_offset : piece.bucket_offset + piece.numel])
-        step = torch.tensor(float(opt.step_count))
-        for i, g in enumerate(opt.checkpoint_indices() if keep else []):
-            p, entry = params[i], {"step": step.clone()}
-            for k, key in enumerate(STATE_KEYS):  # memory order -> a tensor of the param's shape
-                t = torch.empty_strided(p.shape, p.stride(), dtype=torch.float32)
-                flat(t).copy_(flat_state[i][k])
-                entry[key] = t
-            state[g] = entry
+    # One state key of one bucket at a time is gathered, and each piece goes straight into its
+    # param-shaped tensor (in the param's memory order): besides the result (the whole state, on the
+    # CPU), the extra memory is one bucket of fp32 (and its CPU copy; plus one shard for masters that
+    # are not stored).
+    out = [{key: torch.zeros_like(p, dtype=torch.float32, device="cpu", memory_format=torch.preserve_format)
+            for key in STATE_KEYS} for p in params] if keep else []
+    for b in buckets:
+        gathered = torch.empty(b.spec.numel, dtype=torch.float32, device=b.device)
+        for key in STATE_KEYS:
+            opt.comm.all_gather(gathered, _local_shard(b, key, params), b.index).wait()
+            whole = gathered.cpu() if keep else None
+            for piece in b.spec.pieces if keep else ():
+                dst = flat(out[piece.param][key])[piece.param_offset : piece.param_offset + piece.numel]
+                dst.copy_(whole[piece.bucket_offset : piece.bucket_offset + piece.numel])
+        del gathered, whole
     if not keep:
         return None
+    if not buckets:
+        for entry, p in zip(out, params):
+            entry["param"].copy_(p.detach())
+    step = float(opt.step_count)
+    state = {g: {"step": torch.tensor(step), **out[i]} for i, g in enumerate(opt.checkpoint_indices())}
     return {"state": state, "param_groups": _groups_out(opt), "format": FORMAT, CHECKSUMS: state_checksums(state)}
 
 
+def _local_shard(b: BucketRuntime, key: str, params: list[Tensor]) -> Tensor:
+    """This rank's shard of one state key of bucket `b` (fp32, ``shard_numel``; padding zero where
+    it is assembled here). Only the masters of buckets without stored ones are a new tensor."""
+    if key != "param":
+        return getattr(b.state, key)
+    if b.state.master is not None:
+        return b.state.master
+    shard = torch.zeros(b.spec.shard_numel, dtype=torch.float32, device=b.device)
+    for f in b.fragments:
+        shard[f.shard_offset : f.shard_offset + f.numel] = fragment_master(b, f, params)
+    return shard
+
+
 def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
-    """Loads the per-param form, or a torch.optim.AdamW/Adam or FusedAdam state dict."""
+    """Loads the per-param form, or a torch.optim.AdamW/Adam or FusedAdam state dict. State keys name
+    params as the saved param_groups list them, by position (torch.optim) or by name (the FQNs of
+    torch.distributed.checkpoint's ``get_state_dict``), matched in order with this optimizer's."""
     fmt = sd.get("format") if isinstance(sd, dict) else None
     if not isinstance(sd, dict) or fmt not in (FORMAT, None) or not isinstance(sd.get("state"), dict) \
             or "param_groups" not in sd:
@@ -138,30 +160,31 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     check_saved_groups(opt.param_groups, sd["param_groups"])
     params = opt.checkpoint_params()
     by_global = {g: params[i] for i, g in enumerate(opt.checkpoint_indices())}
+    positions = _saved_positions(sd["param_groups"])
     per_param: dict[int, dict[str, Tensor]] = {}
     steps = set()
     for key, entry in sd["state"].items():
-        try:
-            g = int(key)
-        except (TypeError, ValueError):
-            g = None
+        g = _position_of(key, positions)
+        if g is None:
+            raise ValueError(f"state for param {key!r}, which the state dict's param_groups do not list (state "
+                             "keys must be the param positions or names listed there)")
         if g not in by_global:
             raise ValueError(f"state for param {key!r}, which is not a trainable param of this optimizer")
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if not isinstance(entry, dict) or k not in entry]
         if missing:
-            raise ValueError(f"state of param {g} lacks {missing}")
+            raise ValueError(f"state of param {key!r} lacks {missing}")
         p = by_global[g]
         per_param[g] = {}
         for k in STATE_KEYS:
             if k in entry:
                 t = entry[k]
                 if not isinstance(t, Tensor) or not t.is_floating_point():
-                    raise ValueError(f"state {k!r} of param {g} is not a floating-point tensor")
+                    raise ValueError(f"state {k!r} of param {key!r} is not a floating-point tensor")
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"state {k!r} of param {g} has shape {tuple(t.shape)}, "
+                    raise ValueError(f"state {k!r} of param {key!r} has shape {tuple(t.shape)}, "
                                      f"the param {tuple(p.shape)}")
                 per_param[g][k] = t
-        steps.add(_step_of(entry["step"], g))
+        steps.add(_step_of(entry["step"], key))
     if CHECKSUMS in sd:  # absent in torch's and FusedAdam's state dicts: nothing to verify there
         check_state_checksums(sd["state"], sd[CHECKSUMS])
     if len(steps) > 1:
@@ -181,7 +204,30 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
 
 
-def _step_of(value: Any, g: int) -> int:
+def _saved_positions(saved_groups: list[dict[str, Any]]) -> dict[Any, int]:
+    """Each key the saved param groups list -> its position (torch.optim's order of params)."""
+    keys = [k for group in saved_groups for k in group["params"]]
+    try:
+        positions = {k: i for i, k in enumerate(keys)}
+    except TypeError as exc:  # an unhashable entry
+        raise ValueError(f"the saved param_groups list something that is not a param key ({exc})") from None
+    if len(positions) != len(keys):
+        raise ValueError("the saved param_groups list a param key more than once")
+    return positions
+
+
+def _position_of(key: Any, positions: dict[Any, int]) -> int | None:
+    try:
+        if key in positions:
+            return positions[key]
+    except TypeError:
+        return None
+    if isinstance(key, str) and key.isdigit():  # a position as text (e.g. through JSON)
+        return positions.get(int(key))
+    return None
+
+
+def _step_of(value: Any, g: Any) -> int:
     try:
         step = float(value)
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a tensor of several elements
@@ -224,10 +270,17 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     index, params = opt.checkpoint_indices(), opt.checkpoint_params()
     out: dict[str, Any] = {}
     for b in buckets:
-        for key, src in zip(STATE_KEYS, b.read_state(params)):
-            for f in b.fragments:
+        for f in b.fragments:
+            # Views of the live state where it holds the values (dcp.save is synchronous), no copies of
+            # our own: only the masters of 16-bit params without stored ones are computed here. (dcp's
+            # file writer still copies what it writes where the view is not a whole tensor, or not on
+            # the CPU, and keeps those copies until the rank's file is closed: about this rank's share.)
+            values = {"param": fragment_master(b, f, params),
+                      "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
+                      "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel]}
+            for key in STATE_KEYS:
                 name = f"{index[f.param]}.{key}.{f.param_offset}"
-                out[f"state.{name}"] = t = src[f.shard_offset : f.shard_offset + f.numel].detach().cpu().clone()
+                out[f"state.{name}"] = t = values[key].detach()
                 out[f"checksum.{name}"] = torch.tensor([tensor_crc32(t)], dtype=torch.int64)
     # One leaf (JSON text): torch.distributed.checkpoint would otherwise flatten the nested structure.
     body = json.dumps({

@@ -18,13 +18,14 @@ from .._validation import (
     check_unique_params,
 )
 from ..grad_scaling import GradScaling
-from . import agreement, checkpoint
+from . import agreement, checkpoint, torch_compat, update
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
 from .packing import Packing
 from .param_sync import ParamSync
+from .state_view import StateView, memory_report
 
 # GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
 # replacement (attributes) cannot work for an optimizer whose grads the scaler never sees.
@@ -38,9 +39,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     gradients are averaged by reduce-scatters that overlap the backward pass, each rank updates its
     shard with one fused kernel, and the updated params are all-gathered into the model.
 
-    Names follow apex's DistributedFusedAdam, so apex users switch by changing an import. Defaults:
+    Names follow apex's DistributedFusedAdam, so apex users switch by changing an import; every
+    torch.optim.AdamW argument is accepted too. Defaults:
       lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2: torch.optim.AdamW's.
-      adam_w_mode=True: decoupled weight decay (AdamW); False adds it to the gradient (Adam).
+      adam_w_mode=None (True): decoupled weight decay (AdamW); False adds it to the gradient (Adam).
+        torch's decoupled_weight_decay is the same switch (given both, they must agree).
+      maximize=False: per param group, as in torch. amsgrad=False, differentiable=False: True raises
+        ValueError (so does such a param-group key changed later, at the next step(), before anything
+        changes). foreach=None, fused=None: any value; they change nothing (always the fused kernel).
       dtype=torch.float32: optimizer state dtype (only fp32 is supported).
       grad_sync_dtype=None: each param's own dtype (a bf16 model reduces bf16 grads, never silently
         widened); set torch.float32 for fp32 reductions of a 16-bit model.
@@ -88,6 +94,16 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
     updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
     and momentum still apply), as in FSDP and apex. Params with requires_grad=False are not updated.
+
+    ``opt.state`` (state_view.py) is a read-only view of what this rank holds, built on access with no
+    communication. Every trainable param has an entry from construction on (so torch's
+    ``get_state_dict`` never takes its initialising zero-grad step): ``step`` (float32 scalar; with
+    capturable, the live GPU counter) and ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D fp32
+    tensors of this rank's elements of the param in its memory order, empty where it holds none (or
+    before the layout is built); views of the shard where it holds those values, else copies (a param
+    split over buckets; ``param`` of 16-bit params without stored masters). Frozen params read as {}.
+    torch.optim's hooks fire as on torch's optimizers. It cannot be deep-copied or pickled (it holds
+    process groups and hooks): use ``state_dict()``.
     """
 
     def __init__(
@@ -97,8 +113,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        adam_w_mode: bool = True,
+        adam_w_mode: bool | None = None,
+        decoupled_weight_decay: bool | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        differentiable: bool = False,
         dtype: torch.dtype = torch.float32,
         grad_sync_dtype: torch.dtype | None = None,
         param_sync_dtype: torch.dtype | None = None,
@@ -124,8 +146,11 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 raise ValueError(f"{name} must be float32, float16, bfloat16 or None, got {value}")
         if bucket_cap_mb <= 0 or pipeline_size < 1:
             raise ValueError(f"bucket_cap_mb must be > 0 and pipeline_size >= 1, got {bucket_cap_mb}, {pipeline_size}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
-        super().__init__(params, defaults)
+        options = torch_compat.option_defaults(adam_w_mode, decoupled_weight_decay, maximize, amsgrad, foreach, fused,
+                                                differentiable, capturable)
+        self.capturable = capturable  # add_param_group checks groups against it
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options))
+        self.state = StateView(self)  # replaces torch's defaultdict: see the class docstring
 
         self.comm = Comm(process_group, distributed_process_group, redundant_process_group)
         self.grad_sync_dtype = grad_sync_dtype
@@ -144,7 +169,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._params)}
-        self.capturable = capturable
         self._packing = Packing(self._params, grad_sync_dtype, param_sync_dtype)  # init_params declarations
         self._check_params()
         if capturable and self.device.type != "cuda":
@@ -212,9 +236,16 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if hasattr(self, "_params"):  # set once the constructor's own groups are in
             raise RuntimeError("DistributedFusedAdam cannot add param groups after construction: "
                                "the bucket layout covers the params it was built with")
+        index = len(self.param_groups)
+        torch_compat.reconcile_group(param_group, index)
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        try:
+            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+            torch_compat.check_group_options(g, self.capturable, f"param group {index}: ")
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def init_params(self, params: Iterable[Tensor] | None = None, *, grad_sync_dtype: torch.dtype | None = None,
                     param_sync_dtype: torch.dtype | None = None) -> None:
@@ -313,12 +344,13 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         `grad_scaler` is passed by ``GradScaler.step``; inf/nan gradients skip the step everywhere."""
         if self._grads.in_no_sync:
             raise RuntimeError("step() inside no_sync(): leave the no_sync() block first")
+        for g in self.param_groups:  # before the closure's backward starts any reduction
+            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        torch_compat.check_groups(self.param_groups, self.capturable)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g in self.param_groups:
-            check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         self._check_param_shapes()
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
@@ -349,17 +381,15 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         return loss
 
     def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-        for (group_index, _), lists in self._kernel_lists().items():
-            group = self.param_groups[group_index]
-            beta1, beta2 = group["betas"]
-            hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                         adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
+        kernel = ops.adam_step_capturable_ if self.capturable else ops.adam_step_
+        for (group_index, _), lists in update.kernel_lists(self._buckets, self._params,
+                                                           self.contiguous_param_buffer).items():
+            hyper = update.group_hyperparameters(self.param_groups[group_index], grad_scale, kernel)
             if self.capturable:
                 lr = self._graph_safe_lr(group_index)
-                ops.adam_step_capturable_(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]),
-                                          found_inf=found_inf, **hyper)
+                kernel(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]), found_inf=found_inf, **hyper)
             else:
-                ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, **hyper)
+                kernel(**lists, lr=float(self.param_groups[group_index]["lr"]), step=self._step_count, **hyper)
 
     def _graph_safe_lr(self, index: int) -> Tensor:
         """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""
@@ -407,29 +437,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 raise RuntimeError(f"param {i} changed size after the bucket layout was built "
                                    f"({p.numel()} elements now, {numel} in the layout)")
 
-    def _kernel_lists(self) -> dict[tuple, dict[str, list[Tensor]]]:
-        """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
-        calls: dict[tuple, dict[str, list[Tensor]]] = {}
-        for b in self._buckets:
-            s = b.state
-            local = b.local_param_slice()
-            if s.master is None:
-                if not self.contiguous_param_buffer:
-                    b.gather_in(self._params)  # the model params are the masters (or their high halves)
-            for group, start, end in b.runs:
-                c = calls.setdefault((group, b.spec.group), {"params": [], "grads": [], "exp_avgs": [],
-                                                            "exp_avg_sqs": [], "param_outs": [],
-                                                            "param_remainders": []})
-                c["params"].append((s.master if s.master is not None else local)[start:end])
-                c["grads"].append(s.grad[start:end])
-                c["exp_avgs"].append(s.exp_avg[start:end])
-                c["exp_avg_sqs"].append(s.exp_avg_sq[start:end])
-                if s.master is not None:
-                    c["param_outs"].append(local[start:end])
-                if s.remainders is not None:
-                    c["param_remainders"].append(s.remainders[start:end])
-        return calls
-
     # ------------------------------------------------------------------ param sync
 
     def param_sync(self) -> None:
@@ -443,14 +450,20 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         CPU; ``step``; ``param_groups``), the same whatever the world size, bucket size or init order,
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
         with `gather_on_rank0` only rank 0 assembles it (the others return None). See checkpoint.py,
-        also for sharded save/load through torch.distributed.checkpoint."""
-        return checkpoint.state_dict(self, gather_on_rank0)
+        also for sharded save/load through torch.distributed.checkpoint. torch's state-dict hooks fire."""
+        return torch_compat.state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
-        FusedAdam state dict; checks everything (with the checksums ``state_dict()`` records) before
-        changing anything. Every rank must call it."""
-        checkpoint.load_state_dict(self, state_dict)
+        FusedAdam state dict, keyed by param position or (as torch.distributed.checkpoint's
+        ``get_state_dict`` makes them) by the names its param_groups list; checks everything (with
+        the checksums ``state_dict()`` records) before changing anything. Every rank must call it."""
+        torch_compat.load_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError("DistributedFusedAdam cannot be copied or pickled: it holds process groups, autograd "
+                        "and module hooks, and this rank's shard of the state. Use state_dict() (or "
+                        "distopt.distributed.checkpoint.save) and build a new optimizer to load it into.")
 
     # What checkpoint.py reads and writes, and nothing more (its ShardedOptimizer protocol).
 
@@ -490,20 +503,4 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def memory_report(self) -> dict[str, int]:
         """This rank's persistent optimizer memory in bytes, by category (and the total)."""
-        def nbytes(t: Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        report = {"master": 0, "moments": 0, "remainders": 0, "grad_shard": 0, "buffers": 0}
-        for b in self._buckets:
-            s = b.state
-            report["master"] += nbytes(s.master)
-            report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)
-            report["remainders"] += nbytes(s.remainders)
-            report["grad_shard"] += nbytes(s.grad)
-            if self.contiguous_grad_buffer:
-                report["buffers"] += nbytes(b.grad_buffer)
-            if b.keep_param_buffer:  # contiguous, or kept for a captured graph (allocated at the first step)
-                report["buffers"] += nbytes(b.param_buffer)
-        report["total"] = sum(report.values())
-        return report
-
+        return memory_report(self._buckets, self.contiguous_grad_buffer)

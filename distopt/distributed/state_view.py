@@ -1,0 +1,152 @@
+"""What this rank holds: ``DistributedFusedAdam.state`` (a read-only per-param view) and its memory report.
+
+torch.optim code treats ``opt.state`` as "the optimizer's per-param state": torch's
+``distributed.checkpoint.state_dict`` steps an optimizer whose state is empty (zero grads, lr 0) to
+create it, so an always-empty mapping made every ``get_state_dict`` call take a hidden step; tools
+log or move its tensors. The view answers without any communication (only some ranks may look),
+from the buckets' shard state, and is never stored: every access builds fresh entries.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..reference import join_bf16_remainder
+from .buckets import BucketRuntime, flat
+from .layout import Fragment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import DistributedFusedAdam
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "param")
+
+
+def fragment_master(b: BucketRuntime, f: Fragment, params: list[Tensor], pending: bool = False) -> Tensor:
+    """The fp32 master values of fragment `f` of bucket `b` (1-D, the param's memory order): a view of
+    the stored master, of an fp32 model param that is its own master, or of this rank's slice of the
+    param buffer; a fresh tensor where a 16-bit param is widened or joined with its remainders.
+    `pending`: the bucket's updated slice has not been all-gathered into the model yet
+    (overlap_param_sync), so the param buffer, not the model param, holds the current value."""
+    s = b.state
+    if s.master is not None:
+        return s.master[f.shard_offset : f.shard_offset + f.numel]
+    if pending and b.param_buffer is not None:
+        values = b.param_buffer[b.lo + f.shard_offset : b.lo + f.shard_offset + f.numel]
+    else:
+        values = flat(params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
+    if s.remainders is not None:
+        return join_bf16_remainder(values, s.remainders[f.shard_offset : f.shard_offset + f.numel])
+    return values.float()  # no copy for fp32
+
+
+class StateView(Mapping):
+    """Maps each trainable param to ``{"step", "exp_avg", "exp_avg_sq", "param"}``: ``step`` a float32
+    scalar tensor (the optimizer's step count), the others fp32 1-D tensors of this rank's elements of
+    the param, in its memory order (empty where the rank holds none, or before the bucket layout is
+    built). See DistributedFusedAdam's docstring. Params that are not trainable read as ``{}``, as
+    from torch's ``defaultdict``, without being added."""
+
+    def __init__(self, opt: DistributedFusedAdam) -> None:
+        self._opt = weakref.ref(opt)  # no reference cycle: the optimizer holds hooks and process groups
+        self._fragments: dict[int, list[tuple[BucketRuntime, Fragment]]] | None = None
+
+    def _owner(self) -> DistributedFusedAdam:
+        opt = self._opt()
+        if opt is None:
+            raise ReferenceError("the optimizer of this state view no longer exists")
+        return opt
+
+    def __len__(self) -> int:
+        return len(self._owner()._params)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter(list(self._owner()._params))
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, Tensor) and key in self._owner()._index
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __getitem__(self, key: Any) -> dict[str, Tensor]:
+        opt = self._owner()
+        index = opt._index.get(key) if isinstance(key, Tensor) else None
+        if index is None:
+            return {}
+        if opt.capturable:
+            step = opt._step_tensor  # the live counter, on the GPU: reading it would synchronise
+        else:
+            step = torch.tensor(float(opt._step_count))
+        entry: dict[str, Tensor] = {"step": step}
+        parts = self._fragments_of(opt).get(index, [])
+        pending = set(opt._param_sync.pending)
+        for key_name in STATE_KEYS:
+            pieces = [self._piece(opt, b, f, key_name, b.index in pending) for b, f in parts]
+            if not pieces:
+                entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.device)
+            else:  # a param larger than a bucket has one fragment per bucket here: then a copy
+                entry[key_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return entry
+
+    @staticmethod
+    def _piece(opt: DistributedFusedAdam, b: BucketRuntime, f: Fragment, key: str, pending: bool) -> Tensor:
+        if key == "param":
+            return fragment_master(b, f, opt._params, pending)
+        return getattr(b.state, key)[f.shard_offset : f.shard_offset + f.numel]
+
+    def _fragments_of(self, opt: DistributedFusedAdam) -> dict[int, list[tuple[BucketRuntime, Fragment]]]:
+        if self._fragments is None and opt._buckets:  # the layout is built once, never changed
+            out: dict[int, list[tuple[BucketRuntime, Fragment]]] = {}
+            for b in opt._buckets:
+                for f in b.fragments:
+                    out.setdefault(f.param, []).append((b, f))
+            for parts in out.values():
+                parts.sort(key=lambda bf: bf[1].param_offset)
+            self._fragments = out
+        return self._fragments or {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("DistributedFusedAdam.state is a read-only view of the sharded state: change the tensors "
+                        "in place, or use load_state_dict()")
+
+    __delitem__ = __setitem__
+
+    def __repr__(self) -> str:
+        return f"<DistributedFusedAdam state view: {len(self)} params>"
+
+    def __copy__(self) -> dict[Tensor, dict[str, Tensor]]:
+        return dict(self.items())
+
+    def __deepcopy__(self, memo: dict) -> dict[Tensor, dict[str, Tensor]]:
+        """A plain dict of copies of the entries (keyed by the params themselves). Cloned, not
+        deep-copied: a deep copy of a view copies the whole shard it views."""
+        return {p: {k: v.clone() for k, v in entry.items()} for p, entry in self.items()}
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError("DistributedFusedAdam.state is a view of a live optimizer and cannot be pickled: pickle "
+                        "dict(opt.state) or opt.state_dict()")
+
+
+def memory_report(buckets: list[BucketRuntime], contiguous_grad_buffer: bool) -> dict[str, int]:
+    """This rank's persistent optimizer memory in bytes, by category (and the total)."""
+    def nbytes(t: Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    report = {"master": 0, "moments": 0, "remainders": 0, "grad_shard": 0, "buffers": 0}
+    for b in buckets:
+        s = b.state
+        report["master"] += nbytes(s.master)
+        report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)
+        report["remainders"] += nbytes(s.remainders)
+        report["grad_shard"] += nbytes(s.grad)
+        if contiguous_grad_buffer:
+            report["buffers"] += nbytes(b.grad_buffer)
+        if b.keep_param_buffer:  # contiguous, or kept for a captured graph (allocated at the first step)
+            report["buffers"] += nbytes(b.param_buffer)
+    report["total"] = sum(report.values())
+    return report
