@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 from .buckets import BucketRuntime
@@ -107,23 +108,23 @@ class ParamSync:
         self._current: set[int] | None = None  # the needs of the module that ran last (observed forward)
         self._observed_ours = False  # the watched forward touched our params
         self._handles: list[Any] = []
-        if overlap:
-            this = weakref.ref(self)
+        # Without overlap the hooks stay only until a module holding our params runs (the DDP check).
+        this = weakref.ref(self)
 
-            # Inside a region torch.compile traces, the hooks do nothing (and break no graph): the
-            # compiled module's own wrapper gathered everything before it ran (see the Note).
-            def pre_hook(module: nn.Module, args) -> None:
-                sync = this()
-                if sync is not None and not torch.compiler.is_compiling():
-                    sync._before_forward(module)
+        # Inside a region torch.compile traces, the hooks do nothing (and break no graph): the
+        # compiled module's own wrapper gathered everything before it ran (see the Note).
+        def pre_hook(module: nn.Module, args) -> None:
+            sync = this()
+            if sync is not None and not torch.compiler.is_compiling():
+                sync._before_forward(module)
 
-            def post_hook(module: nn.Module, args, output) -> None:
-                sync = this()
-                if sync is not None and module is sync._observed_root and not torch.compiler.is_compiling():
-                    sync._stop_observing()
+        def post_hook(module: nn.Module, args, output) -> None:
+            sync = this()
+            if sync is not None and module is sync._observed_root and not torch.compiler.is_compiling():
+                sync._stop_observing()
 
-            self._handles.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
-            self._handles.append(nn.modules.module.register_module_forward_hook(post_hook, always_call=True))
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
+        self._handles.append(nn.modules.module.register_module_forward_hook(post_hook, always_call=True))
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
         self.buckets = buckets
@@ -136,6 +137,8 @@ class ParamSync:
         needs = self._needs.get(module)
         if needs is None:
             needs = self._first_sight(module)
+        if not self.overlap:
+            return
         if self._observe and self._recorder is None and not isinstance(module, OptimizedModule):
             self.finish()  # the watched forward learns what each module needs: it must read current params
             self._observed_root = module
@@ -165,17 +168,28 @@ class ParamSync:
         needs = {self.index[p] for p in _owned(module) if p in self.index}
         self._needs[module] = needs
         self.seen.update(needs)
-        if any(p in self.index for p in module.parameters()):
+        ours = [self.index[p] for p in module.parameters() if p in self.index]
+        if ours and isinstance(module, DistributedDataParallel):
+            raise ValueError(
+                f"param {ours[0]} of DistributedFusedAdam is inside a DistributedDataParallel module: the optimizer "
+                "reduce-scatters gradients itself, so DDP would reduce them twice (and torch's clip_grad_norm_ "
+                "would see no .grad). Train the bare model (ddp.module), without the DDP wrapper.")
+        if ours and not self.overlap:
+            self.close()  # the model runs: nothing more to check
+        elif ours:
             this = weakref.ref(self)
 
-            def state_dict_pre_hook(*args, **kwargs) -> None:
+            def finish_first(*args, **kwargs) -> None:
                 sync = this()
                 if sync is not None:
                     sync.finish()
 
-            # a compiled wrapper's inner modules never run eagerly: hook the module it wraps too
+            # Saving must see the updated params, and loading must not be overwritten by a gather
+            # landing later. A compiled wrapper's inner modules never run eagerly: hook the module it
+            # wraps too.
             for m in (module, *module.children()) if isinstance(module, OptimizedModule) else (module,):
-                self._handles.append(m.register_state_dict_pre_hook(state_dict_pre_hook))
+                self._handles.append(m.register_state_dict_pre_hook(finish_first))
+                self._handles.append(m.register_load_state_dict_pre_hook(finish_first))
         return needs
 
     def _gather_for(self, bucket: int, event: str) -> None:

@@ -205,3 +205,39 @@ def test_gradient_from_a_stale_read_is_refused_with_the_remedy():
     messages = run_ranks(dynamic_model_reads_stale, 2)
     assert messages[0] == messages[1]
     assert "param 2 (shape (8, 8)" in messages[0] and "opt.param_sync()" in messages[0]
+
+
+def ddp_wrapped(rank: int, world_size: int) -> str:
+    model = nn.Linear(4, 2)
+    opt = DistributedFusedAdam(model.parameters())
+    try:
+        DDP(model)(torch.randn(3, 4)).sum().backward()
+    except ValueError as exc:
+        return str(exc)
+    opt.step()
+    raise AssertionError("a DDP-wrapped model trained under DistributedFusedAdam")
+
+
+def test_model_wrapped_in_ddp_is_refused():
+    """An optimizer that synchronises gradients itself must never also be wrapped in DDP."""
+    messages = run_ranks(ddp_wrapped, 2)
+    assert all("inside a DistributedDataParallel module" in m and "ddp.module" in m for m in messages)
+
+
+def load_after_step(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1, overlap_param_sync=True, bucket_cap_mb=TINY_BUCKET_MB)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.load_state_dict(saved)  # the pending gathers land first, not over the loaded weights
+    opt.param_sync()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
+
+
+def test_model_load_after_step_is_not_overwritten_by_pending_gathers():
+    run_ranks(load_after_step, 2)

@@ -188,17 +188,34 @@ def test_strategy_matches_ddp_adamw(ns: str, precision: str | None) -> None:
         assert_matches(run, ref, precision)
 
 
-def _dfa_under_ddp(rank: int, world_size: int) -> tuple[dict, dict]:
+def _dfa_under_ddp(rank: int, world_size: int) -> str:
     lightning_env(rank, world_size)
-    return fit(LIGHTNING, "ddp", dfa), fit(LIGHTNING, "ddp", adamw)
+    try:
+        fit(LIGHTNING, "ddp", dfa)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("DistributedFusedAdam trained under strategy='ddp'")
 
 
-def test_negative_control_dfa_under_stock_ddp_is_caught() -> None:
-    """The reported bug: DistributedFusedAdam under strategy='ddp' + gradient_clip_val matches the
-    reference at step 1 only (torch's clip_grad_norm_ finds no .grad once the optimizer has built its
-    buckets); 1e-2 off by step 4 here. The comparison above must flag it."""
-    for run, ref in run_ranks(_dfa_under_ddp, 2):
-        assert_clipped_every_step(ref)
+def test_dfa_under_stock_ddp_is_refused() -> None:
+    """The reported bug: DistributedFusedAdam under strategy='ddp' + gradient_clip_val trained silently
+    wrong (torch's clip_grad_norm_ finds no .grad). The optimizer now refuses a DDP-wrapped model."""
+    for message in run_ranks(_dfa_under_ddp, 2):
+        assert "inside a DistributedDataParallel module" in message
+
+
+def _strategy_vs_ddp_other_lr(rank: int, world_size: int) -> tuple[dict, dict]:
+    lightning_env(rank, world_size)
+
+    def adamw_1pc(params):  # a 1% larger lr (a clip value would not do: Adam is invariant to grad scale)
+        return torch.optim.AdamW(params, lr=LR * 1.01, weight_decay=WD, foreach=False)
+
+    return fit(LIGHTNING, DistributedFusedAdamStrategy(namespace=LIGHTNING), dfa), fit(LIGHTNING, "ddp", adamw_1pc)
+
+
+def test_negative_control_other_lr_is_caught() -> None:
+    """The comparison can fail: the reference with a 1% larger lr is told apart."""
+    for run, ref in run_ranks(_strategy_vs_ddp_other_lr, 2):
         with pytest.raises(AssertionError):
             assert_matches(run, ref)
 
