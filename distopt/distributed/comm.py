@@ -84,6 +84,12 @@ class Comm:
         """Blocking (stream-ordered on GPU) sum over the shard group, for norms and inf flags."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dist_group)
 
+    def count_ranks(self, flag: bool, device: torch.device) -> int:
+        """How many ranks of the data-parallel group pass a true `flag` (blocking, reads the result)."""
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
+        return int(t.item())
+
     def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
         """Rank 0's list of `len(values)` ints (of the data-parallel group) on every rank."""
         t = torch.tensor(values, dtype=torch.int64, device=device)

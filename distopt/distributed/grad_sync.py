@@ -16,8 +16,14 @@ out close it by launching the buckets it had not launched, so every rank still i
 collectives whichever point its backward reached: ``zero_grad()`` (the caught exception is dropped
 with its partial gradients: the next step is the one a run that skipped the iteration would take),
 or the next ``sync()`` when training goes on without ``zero_grad()`` (the partial gradients stay
-accumulated, as torch leaves them in ``.grad``). If only some ranks fail, the others have already
-stepped: as with DDP the ranks no longer agree on what comes next, and the job must restart.
+accumulated, as torch leaves them in ``.grad``).
+
+Every synchronising iteration ends with the same collectives on every rank: ``sync()`` reports that
+it closed one (the optimizer then confirms with one tiny all-reduce that no rank dropped its grads),
+and ``clear()`` that it dropped one (an exception in backward, or ``zero_grad()`` without a step): it
+still runs the iteration's reductions, and the optimizer reports the drop in the same all-reduce. If
+only some ranks dropped theirs, every rank thus stops with the same error instead of pairing the
+collectives of different iterations; as with DDP, the job must then restart.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class GradSync:
         self._grad_views: set[int] = set()  # params whose .grad is a view of a contiguous grad buffer
         self.on_grad: Callable[[int], None] | None = None  # told of each param's grad before it is taken
         self._drop_queued = False  # a callback will take the grad views away at the end of backward
+        self._iteration_open = False  # a synchronising backward ran since the last sync() / clear()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
@@ -86,6 +93,7 @@ class GradSync:
             # a synchronising backward: when it ends, .grad must no longer expose the unreduced sums
             self._drop_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._drop_grad_views)
+        self._iteration_open = self._iteration_open or not self.in_no_sync
         syncing = self.overlap and not self.in_no_sync
         if syncing and not self._round_open:
             self._round_open = True
@@ -161,14 +169,17 @@ class GradSync:
             self.params[i].grad = None
         self._grad_views.clear()
 
-    def sync(self) -> None:
-        """Starts the reduce-scatters backward did not (in bucket order) and waits for all."""
+    def sync(self) -> bool:
+        """Starts the reduce-scatters backward did not (in bucket order) and waits for all. True if
+        this closed a synchronising iteration."""
         self._drop_grad_views()
         if self._needs_round or self._round_open:  # open: a backward raised and its round was never closed
             self._round_open = False
             self._launch_remaining()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
+        closed, self._iteration_open = self._iteration_open, False
+        return closed
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -178,13 +189,14 @@ class GradSync:
         finally:
             self.in_no_sync = previous
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
         """Drops every gradient: in flight (finished first: collectives cannot be cancelled),
-        accumulated in buckets, reduced into shards, and in .grad. A round left open by a backward
-        that raised is completed first, so every rank issues the same collectives."""
-        if self._round_open:
-            self._round_open = False
-            self._launch_remaining()
+        accumulated in buckets, reduced into shards, and in .grad. A synchronising iteration that was
+        not synced yet (its backward raised, or no step follows it) still runs its reductions, so every
+        rank issues the same collectives; True if it dropped one."""
+        dropped = self._iteration_open and self.layout is not None
+        if dropped:
+            self.sync()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         for b in self.buckets:
@@ -196,6 +208,7 @@ class GradSync:
         self._drop_queued = False
         for p in self.params:
             p.grad = None
+        return dropped
 
     def zero_stale_shards(self) -> None:
         """Shards that received no reduction since the last step hold old data: zero them."""

@@ -323,7 +323,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             raise RuntimeError("grad_sync() inside no_sync(): leave the no_sync() block first")
         if self._layout is None:
             self._build_layout()
-        self._grads.sync()
+        if self._grads.sync():
+            self._agree_on_iteration(dropped=False)
 
     def no_sync(self):
         """Accumulates gradients locally (no communication) for the backward passes inside; the first
@@ -332,8 +333,24 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops all gradients: model .grad, unsynchronised buckets and reduced shards."""
-        self._grads.clear()
+        if self._grads.clear():
+            self._agree_on_iteration(dropped=True)
         self._reset_grad_scaling()
+
+    def _agree_on_iteration(self, dropped: bool) -> None:
+        """One tiny all-reduce per synchronising iteration (none for one rank, or capturable, which
+        must not read the device): if some ranks dropped their gradients (zero_grad() after an
+        exception in backward, or without a step) while others go on to step, every rank raises the
+        same error instead of pairing the collectives of different iterations (see grad_sync.py)."""
+        if self.comm.data_parallel_size == 1 or self.capturable:
+            return
+        n = self.comm.count_ranks(dropped, self.device)
+        if 0 < n < self.comm.data_parallel_size:
+            raise RuntimeError(
+                f"DistributedFusedAdam: {n} of {self.comm.data_parallel_size} ranks dropped this iteration's gradients "
+                "(zero_grad() after an exception in backward, or without step()) while the others synchronised them "
+                "for a step: the ranks are no longer in step. Restart from a checkpoint (as with DDP), and make every "
+                "rank skip an iteration together.")
 
     # ------------------------------------------------------------------ step
 

@@ -113,3 +113,34 @@ def test_negative_control_a_run_that_trained_on_the_failed_iteration_differs():
     skipped = run_ranks(train, 2, (c["opts"], c["unused"], False, True))
     full = run_ranks(no_failure, 2)
     assert any(not torch.equal(p, q) for p, q in zip(skipped[0], full[0]))
+
+
+def one_rank_drops(rank: int, world_size: int, overlap_grad_sync: bool, how: str) -> str:
+    """Rank 1 drops an iteration's gradients (an exception in backward, or zero_grad() without a
+    step); the others step. Every rank must stop with the same error, not train on."""
+    torch.manual_seed(0)
+    model = Net(unused=True)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.05, bucket_cap_mb=TINY_BUCKET_MB,
+                               overlap_grad_sync=overlap_grad_sync)
+    try:
+        for step in range(4):
+            x, y = torch.randn(5, 6), torch.randn(5, 3)
+            dropping = step == FAIL_AT and rank == 1
+            try:
+                nn.functional.mse_loss(model(x, dropping and how == "exception"), y).backward()
+                if not dropping:
+                    opt.step()
+            except Boom:
+                pass
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("the ranks trained on out of step")
+
+
+@pytest.mark.parametrize("overlap_grad_sync", [True, False], ids=["overlap", "no_overlap"])
+@pytest.mark.parametrize("how", ["exception", "zero_grad_without_step"])
+def test_one_rank_dropping_an_iteration_stops_every_rank(how, overlap_grad_sync):
+    messages = run_ranks(one_rank_drops, 3, (overlap_grad_sync, how))
+    assert len(set(messages)) == 1, messages
+    assert "1 of 3 ranks dropped this iteration's gradients" in messages[0]
