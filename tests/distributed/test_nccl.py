@@ -33,7 +33,12 @@ def test_params_stay_on_cuda_and_no_cpu_copies(nccl_group):
     opt = DistributedFusedAdam(model.parameters())
     model(torch.randn(4, 64, device="cuda")).sum().backward()
     opt.step()
-    for b in opt._buckets:
-        for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.grad, b.state.master):
-            assert t.is_cuda
+    buckets = opt.shard_buckets()
+    assert buckets
+    for b in buckets:
+        # an fp32 model synchronised in fp32 keeps no masters (the params are their own): None is fine
+        for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.grad, b.state.master, b.state.remainders):
+            assert t is None or t.is_cuda
     assert all(p.is_cuda for p in model.parameters())
+    for state in opt.state.values():  # the per-param view, too
+        assert all(not isinstance(t, torch.Tensor) or t.is_cuda or t.numel() <= 1 for t in state.values())
