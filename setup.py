@@ -19,8 +19,10 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 Extension = CUDAExtension if with_cuda else CppExtension
 print(f"distopt: building distopt._C with {'CPU and CUDA' if with_cuda else 'CPU'} kernels", file=sys.stderr)
+ext_modules = [Extension("distopt._C", **build_config.extension_kwargs(with_cuda))]
+if build_config.emulation_requested():
+    # The test suite's "cuda-emulated" backend: the CUDA kernels run by a SIMT emulator on the CPU.
+    print("distopt: building distopt._C_emulated (CUDA kernels under the SIMT emulator)", file=sys.stderr)
+    ext_modules.append(CppExtension("distopt._C_emulated", **build_config.emulated_extension_kwargs()))
 
-setup(
-    ext_modules=[Extension("distopt._C", **build_config.extension_kwargs(with_cuda))],
-    cmdclass={"build_ext": BuildExtension},
-)
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExtension})

@@ -10,7 +10,7 @@
 
 #include "kernels.h"
 
-#if defined(DISTOPT_WITH_CUDA)
+#if defined(DISTOPT_WITH_CUDA) && !defined(DISTOPT_EMULATED)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -87,11 +87,20 @@ std::vector<int64_t> numels(at::TensorList list) {
 // Runs `cpu()` or `cuda(stream)` for the device of the op's tensors.
 template <typename Cpu, typename Cuda>
 void on_device(const at::Device& device, const char* op, Cpu&& cpu, Cuda&& cuda) {
+#if defined(DISTOPT_EMULATED)
+  // distopt._C_emulated: CPU tensors go to the CUDA kernels, which the SIMT emulator runs.
+  (void)cpu;
+  if (device.is_cpu()) {
+    cuda(nullptr);
+    return;
+  }
+#else
   if (device.is_cpu()) {
     cpu();
     return;
   }
-#if defined(DISTOPT_WITH_CUDA)
+#endif
+#if defined(DISTOPT_WITH_CUDA) && !defined(DISTOPT_EMULATED)
   if (device.is_cuda()) {
     const c10::cuda::CUDAGuard guard(device);
     cuda(static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream()));
@@ -153,7 +162,7 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   on_device(
       device, "adam_step_", [&] { adam_cpu(tl, args); },
       [&](void* stream) {
-#if defined(DISTOPT_WITH_CUDA)
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
         adam_cuda(tl, args, stream);
 #endif
         (void)stream;
@@ -204,7 +213,7 @@ void scale_impl(at::TensorList inputs, at::TensorList outputs, ScaleArgs& args, 
   on_device(
       device, op, [&] { scale_cpu(tl, args); },
       [&](void* stream) {
-#if defined(DISTOPT_WITH_CUDA)
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
         scale_cuda(tl, args, stream);
 #endif
         (void)stream;
@@ -257,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
       device, "l2norm",
       [&] { l2norm_cpu(tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag); },
       [&](void* stream) {
-#if defined(DISTOPT_WITH_CUDA)
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
         at::Tensor workspace = at::empty({l2norm_cuda_workspace_floats(tl)}, opts);
         l2norm_cuda(tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag,
                     workspace.data_ptr<float>(), stream);

@@ -43,7 +43,13 @@ struct ScaleArgs {
 };
 void scale_cpu(const TensorLists& lists, const ScaleArgs& args);
 
-#if defined(DISTOPT_WITH_CUDA)
+// The CUDA launchers exist in the CUDA build and in distopt._C_emulated, which compiles the same CUDA
+// kernels as host C++ against the SIMT emulator (csrc/emulation) and runs them on CPU tensors.
+#if defined(DISTOPT_WITH_CUDA) || defined(DISTOPT_EMULATED)
+#define DISTOPT_HAS_CUDA_KERNELS 1
+#endif
+
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
 // CUDA launchers: same contracts, launched on `stream` (a cudaStream_t), never synchronising.
 void adam_cuda(const TensorLists& lists, const AdamArgs& args, void* stream);
 

@@ -19,6 +19,11 @@ void register_impls(torch::Library& m) {
 }  // namespace
 }  // namespace distopt
 
+#if defined(DISTOPT_EMULATED)
+// distopt._C_emulated (csrc/emulation/module.cpp): the CUDA kernels, run by the SIMT emulator, for
+// CPU tensors, under their own namespace (the tests define its schemas from distopt/ops.py's).
+TORCH_LIBRARY_IMPL(distopt_emulated, CPU, m) { distopt::register_impls(m); }
+#else
 TORCH_LIBRARY_IMPL(distopt, CPU, m) { distopt::register_impls(m); }
 
 #if defined(DISTOPT_WITH_CUDA)
@@ -31,3 +36,4 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
+#endif

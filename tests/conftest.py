@@ -4,7 +4,10 @@ import pytest
 import torch
 
 # The op tests' shared helpers are a plain module: have pytest rewrite their asserts as it does a test module's.
-pytest.register_assert_rewrite("op_helpers")
+pytest.register_assert_rewrite("op_helpers", "backends")
+
+# The op tests' parametrised `backend` fixture: cpu, cuda-emulated, cuda (see backends.py).
+from backends import backend  # noqa: E402, F401
 
 HAS_GPU = torch.cuda.is_available()
 

@@ -1,11 +1,12 @@
 """Shared helpers of the fused-op tests (``distopt.ops`` against the pure-PyTorch oracle ``distopt.reference``).
 
-Not a test module: the CPU tests (test_ops_adam.py, test_ops_norm_scale.py, test_ops_errors.py) and
-the GPU tests (test_ops_cuda.py) import these constants, tensor factories, ``AdamState`` and the
-run_*/check_*/assert_* helpers, so both run the same scenarios. Conventions:
+Not a test module: the op tests (test_ops_adam.py, test_ops_norm_scale.py and test_ops_launches.py, which
+run on every backend of backends.py; test_ops_errors.py) and the GPU-only tests (test_ops_cuda.py) import
+these constants, tensor factories, ``AdamState`` and the run_*/check_*/assert_* helpers. Conventions:
 
 * inputs are random and never zero (exp_avg_sq is positive); the autouse fixture in conftest.py seeds
   torch, so every run sees the same data;
+* the factories create tensors on the current backend's device (tests/backends.py) unless given one;
 * the Adam update and the norms are compared with the per-dtype ``tolerances.KERNEL`` table (fp32
   math against the float64 reference); ``scale_`` and ``cast_copy_`` must match bit for bit;
 * "bit-identical" means equal bit patterns (``assert_bits_equal`` compares integer views, so it also
@@ -50,6 +51,18 @@ CL_SHAPES = [(2, 3, 5, 7), (4, 8, 3, 3), (1, 5, 2, 2), (2, 16, 64, 65)]  # 4-D s
 OP_NAMES = ("adam_step_", "adam_step_capturable_", "l2norm", "scale_", "cast_copy_")
 
 
+# Where the factories below create tensors when no device is given: the op tests' backend's device
+# (tests/backends.py sets it for the duration of a test; "cpu" otherwise).
+_default_device = "cpu"
+
+
+def set_default_device(device: str) -> str:
+    """Makes ``device`` the factories' default; returns the previous default."""
+    global _default_device
+    previous, _default_device = _default_device, device
+    return previous
+
+
 def dtype_id(dtype: torch.dtype | None) -> str:
     return "none" if dtype is None else str(dtype).removeprefix("torch.")
 
@@ -59,7 +72,7 @@ def dtype_id(dtype: torch.dtype | None) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
-def new_tensor(shape: Sequence[int], dtype: torch.dtype, device="cpu", layout: str = "contiguous") -> Tensor:
+def new_tensor(shape: Sequence[int], dtype: torch.dtype, device=None, layout: str = "contiguous") -> Tensor:
     """An uninitialised tensor of ``shape`` with the given memory layout.
 
     "contiguous": plain. "unaligned": a view at element offset 1 of a buffer two elements longer, so its
@@ -67,6 +80,7 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype, device="cpu", layout: s
     ``assert_guards_intact``). "channels_last": a 4-D tensor, dense but not contiguous.
     """
     shape = tuple(shape)
+    device = device or _default_device
     if layout == "contiguous":
         return torch.empty(shape, dtype=dtype, device=device)
     if layout == "unaligned":
@@ -96,25 +110,25 @@ def as_shape(size: int | Sequence[int]) -> tuple[int, ...]:
     return (size,) if isinstance(size, int) else tuple(size)
 
 
-def filled(values: Tensor, dtype: torch.dtype, device="cpu", layout="contiguous") -> Tensor:
+def filled(values: Tensor, dtype: torch.dtype, device=None, layout="contiguous") -> Tensor:
     """A ``new_tensor`` holding ``values`` (generated on the CPU, so every device sees the same data)."""
     return new_tensor(values.shape, dtype, device, layout).copy_(values)
 
 
-def randn(size, dtype=FP32, device="cpu", layout="contiguous", std=1.0) -> Tensor:
+def randn(size, dtype=FP32, device=None, layout="contiguous", std=1.0) -> Tensor:
     return filled(torch.randn(as_shape(size)) * std, dtype, device, layout)
 
 
-def rand_positive(size, dtype=FP32, device="cpu", layout="contiguous", high=0.01) -> Tensor:
+def rand_positive(size, dtype=FP32, device=None, layout="contiguous", high=0.01) -> Tensor:
     """Uniform in (0, high]: a valid, nonzero exp_avg_sq."""
     return filled(torch.rand(as_shape(size)) * high + 1e-6, dtype, device, layout)
 
 
-def randn_list(sizes, dtype=FP32, device="cpu", layout="contiguous", std=1.0) -> list[Tensor]:
+def randn_list(sizes, dtype=FP32, device=None, layout="contiguous", std=1.0) -> list[Tensor]:
     return [randn(s, dtype, device, layout, std) for s in sizes]
 
 
-def copy_to(t: Tensor, device="cpu", layout="contiguous") -> Tensor:
+def copy_to(t: Tensor, device=None, layout="contiguous") -> Tensor:
     """A copy of ``t`` on ``device`` with the given layout (same values and dtype)."""
     return new_tensor(t.shape, t.dtype, device, layout).copy_(t)
 
@@ -244,7 +258,7 @@ def make_adam_state(
     out_dtype=None,
     *,
     remainders=False,
-    device="cpu",
+    device=None,
     layout="contiguous",
 ) -> AdamState:
     """Random Adam inputs: params ~ N(0,1), grads ~ N(0,1), exp_avgs ~ N(0,0.01), exp_avg_sqs in (0, 0.01].
@@ -271,9 +285,9 @@ def make_adam_state(
     )
 
 
-def scalar(value: float, device="cpu", dtype=FP32) -> Tensor:
+def scalar(value: float, device=None, dtype=FP32) -> Tensor:
     """A one-element tensor (the form of grad_scale, found_inf, lr and steps)."""
-    return torch.tensor([value], dtype=dtype, device=device)
+    return torch.tensor([value], dtype=dtype, device=device or _default_device)
 
 
 def run_adam(state: AdamState, *, step: int, grad_scale=None, found_inf=None, **hyper) -> None:
@@ -395,7 +409,7 @@ CAPTURABLE_CASES = [
 CAPTURABLE_SIZES = (5, CHUNK + 1, 7, 1, 300, 3)
 
 
-def capturable_steps(device="cpu") -> list[Tensor]:
+def capturable_steps(device=None) -> list[Tensor]:
     """Per-entry steps for CAPTURABLE_SIZES: one tensor object shared by entries 0, 1, 3, another by
     2 and 4, a third for entry 5."""
     s5, s1, s12 = scalar(5.0, device), scalar(1.0, device), scalar(12.0, device)

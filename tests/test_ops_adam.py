@@ -1,11 +1,12 @@
-"""CPU tests of the fused Adam ops (``ops.adam_step_``, ``ops.adam_step_capturable_``) against the
+"""Tests of the fused Adam ops (``ops.adam_step_``, ``ops.adam_step_capturable_``) against the
 pure-PyTorch oracle (``distopt.reference``): every dtype combination (descending and with ``maximize``),
 bf16 + int16 remainders, chunk-edge and multi-chunk sizes, unaligned and channels_last layouts, the
 capturable op, and found_inf skips.
 
-The CPU kernels share the per-element math header with the CUDA kernels (csrc/math/adam.h), so these
-tests check that math; tests/test_ops_cuda.py runs the same scenarios on a GPU. Helpers and conventions:
-op_helpers.py.
+Every test runs on each backend of tests/backends.py: the CPU kernels, the CUDA kernels under the SIMT
+emulator (no GPU needed; each call also compared bit for bit with the CPU kernel) and, with a GPU, the
+CUDA kernels. tests/test_ops_cuda.py adds what only a GPU shows (graphs, streams). Helpers and
+conventions: op_helpers.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from op_helpers import (
     snapshot,
 )
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# Every test runs on each backend (tests/backends.py): the CPU kernels, the CUDA kernels under the SIMT
+# emulator (cross-checked bit for bit against the CPU kernels) and, with a GPU, the CUDA kernels.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "backend")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""CPU tests of the fused l2norm, scale_ and cast_copy_ ops against the pure-PyTorch oracle
+"""Tests of the fused l2norm, scale_ and cast_copy_ ops against the pure-PyTorch oracle
 (``distopt.reference``): norms within NORM_RTOL of the float64 reference; scale_ and cast_copy_ bit for
 bit, their found_inf / skip_if flags, unaligned and channels_last layouts, many tensors.
 
-tests/test_ops_cuda.py runs the same scenarios on a GPU. Helpers and conventions: op_helpers.py.
+Every test runs on each backend of tests/backends.py (cpu, cuda-emulated, cuda); tests/test_ops_cuda.py
+adds what only a GPU shows. Helpers and conventions: op_helpers.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from op_helpers import (
     snapshot,
 )
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# Every test runs on each backend (tests/backends.py): the CPU kernels, the CUDA kernels under the SIMT
+# emulator (cross-checked bit for bit against the CPU kernels) and, with a GPU, the CUDA kernels.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "backend")
 
 # ----------------------------------------------------------------------------------------------------
 # l2norm

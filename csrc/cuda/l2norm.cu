@@ -123,12 +123,10 @@ void l2norm_cuda(const TensorLists& tl, float* total, float* per_tensor, float* 
       slot += num_chunks(tl.numel[first + t]);
     }
     meta.first_slot[count] = slot;
-    l2norm_per_tensor<<<static_cast<unsigned>(count), kBlockSize, 0, s>>>(meta, workspace, tensor_sq,
-                                                                           per_tensor);
-    check_launch("l2norm per-tensor");
+    launch_kernel("l2norm per-tensor", l2norm_per_tensor, static_cast<unsigned>(count), kBlockSize, 0, s, meta,
+                  workspace, tensor_sq, per_tensor);
   }
-  l2norm_total<<<1, kBlockSize, 0, s>>>(tensor_sq, n, total);
-  check_launch("l2norm total");
+  launch_kernel("l2norm total", l2norm_total, 1, kBlockSize, 0, s, tensor_sq, n, total);
 }
 
 }  // namespace distopt

@@ -12,19 +12,19 @@
 // uses 8-bit tensor slots and 32-bit chunk indices, element offsets are 64-bit.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <array>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "../common/types.h"
+#include "launch.cuh"
 
 namespace distopt::cuda {
 
 constexpr int kBlockSize = 512;
+// Resident blocks per SM the kernels are compiled for: ptxas caps registers at
+// 65536 / (kBlockSize * kMinBlocksPerSM) = 64 per thread, so two blocks overlap their memory traffic.
+constexpr int kMinBlocksPerSM = 2;
 constexpr int64_t kChunkSize = 65536;
 constexpr int kMaxBlocks = 320;
 constexpr int kMaxKernelArgBytes = 4096;
@@ -47,13 +47,6 @@ struct TensorListMetadata {
 // Leave 512 bytes for the op's own arguments.
 static_assert(sizeof(TensorListMetadata<1>) <= kMaxKernelArgBytes - 512);
 static_assert(sizeof(TensorListMetadata<7>) <= kMaxKernelArgBytes - 512);
-
-inline void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(err));
-  }
-}
 
 // Chunk (tensor slot, chunk index, element range) of the calling block.
 template <typename Meta>
@@ -78,7 +71,8 @@ struct BlockChunk {
 };
 
 template <typename Meta, typename Op, typename... Args>
-__global__ void __launch_bounds__(kBlockSize) multi_tensor_kernel(const Meta meta, Op op, Args... args) {
+__global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSM)
+    multi_tensor_kernel(const Meta meta, Op op, Args... args) {
   op(meta, args...);
 }
 
@@ -95,8 +89,7 @@ void multi_tensor_apply(const std::array<const std::vector<void*>*, Depth>& rows
   int blocks = 0;  // blocks queued in this launch
 
   auto launch = [&]() {
-    multi_tensor_kernel<<<blocks, kBlockSize, 0, stream>>>(meta, op, args...);
-    check_launch(what);
+    launch_kernel(what, multi_tensor_kernel<Meta, Op, Args...>, blocks, kBlockSize, 0, stream, meta, op, args...);
     meta.first_block += blocks;
     blocks = 0;
   };

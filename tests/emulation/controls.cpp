@@ -1,0 +1,159 @@
+// Controls of the SIMT emulator (tests/emulation/test_simt.py): deliberately broken kernels, each of
+// which the emulator must reject with a specific error, and a correct block reduction it must pass.
+// Built by the test with the emulated build's flags (csrc/build_config.py) against csrc/emulation,
+// using the real vec.cuh, reduce.cuh and launch.cuh as the product kernels do. Plain C entry points
+// (called through ctypes): no torch headers, so the build takes seconds.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "../../csrc/cuda/launch.cuh"
+#include "../../csrc/cuda/reduce.cuh"
+#include "../../csrc/cuda/vec.cuh"
+
+using distopt::cuda::block_sum;
+using distopt::cuda::kBlockSize;
+using distopt::cuda::launch_kernel;
+using distopt::cuda::load_vec;
+
+namespace {
+
+// Correct: out[b] = the sum of block b's x (one value per thread), by the product's block_sum.
+__global__ void block_sum_kernel(const float* x, float* out) {
+  const float s = block_sum(x[blockIdx.x * blockDim.x + threadIdx.x]);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+// A half-warp mask: a reduction over 16-lane segments, but run by every lane of the warp with the mask
+// of the first half (lanes 16-31 call it with a mask that leaves them out).
+__global__ void half_warp_mask_kernel(const float* x, float* out) {
+  float v = x[threadIdx.x];
+  for (int offset = 8; offset > 0; offset /= 2) v += __shfl_down_sync(0x0000ffffu, v, offset, 16);
+  if (threadIdx.x % 16 == 0) out[threadIdx.x / 16] = v;
+}
+
+// A half-warp mask used by the half warp it names, but reading the other half (offset 16).
+__global__ void shuffle_outside_mask_kernel(const float* x, float* out) {
+  float v = x[threadIdx.x];
+  if (threadIdx.x % 32 < 16) v += __shfl_down_sync(0x0000ffffu, v, 16);
+  out[threadIdx.x] = v;
+}
+
+// A missing barrier: a shared-memory tree reduction whose steps are not separated by __syncthreads.
+__global__ void missing_barrier_kernel(const float* x, float* out) {
+  __shared__ float partial[kBlockSize];
+  partial[threadIdx.x] = x[threadIdx.x];
+  __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    // missing: __syncthreads();
+  }
+  if (threadIdx.x == 0) out[0] = partial[0];
+}
+
+// A 16-byte vector load from an address 4 bytes past a 16-byte boundary.
+__global__ void misaligned_vector_kernel(const float* x, float* out) {
+  float r[4];
+  load_vec<4>(x + 1, r);
+  out[threadIdx.x] = r[0];
+}
+
+// An early return before a block reduction: half the block never reaches block_sum's barriers.
+__global__ void early_return_kernel(const float* x, float* out) {
+  if (threadIdx.x >= blockDim.x / 2) return;
+  const float s = block_sum(x[threadIdx.x]);
+  if (threadIdx.x == 0) out[0] = s;
+}
+
+// Even and odd warps wait at different __syncthreads.
+__global__ void divergent_barriers_kernel(const float* x, float* out) {
+  if (threadIdx.x / 32 % 2 == 0) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = x[threadIdx.x];
+}
+
+// Lanes 0-15 shuffle with the full mask while lanes 16-31 wait at a barrier: neither can go on.
+__global__ void deadlock_kernel(const float* x, float* out) {
+  float v = x[threadIdx.x];
+  if (threadIdx.x % 32 < 16) v += __shfl_down_sync(0xffffffffu, v, 16);
+  __syncthreads();
+  out[threadIdx.x] = v;
+}
+
+// Reads a shared element no thread of the block wrote.
+__global__ void uninitialised_shared_kernel(const float* x, float* out) {
+  __shared__ float buf[64];
+  if (threadIdx.x < 32) buf[threadIdx.x] = x[threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x == 0) out[0] = buf[40];
+}
+
+// Every thread writes its index to out[0], in no defined order: the last one scheduled wins. (A race
+// in global memory, which the emulator does not check: here it shows the schedule.)
+__global__ void last_writer_kernel(const float* x, float* out) { out[0] = static_cast<float>(threadIdx.x); }
+
+// Parameters over CUDA's 4 KiB limit (before 12.1).
+struct Big {
+  float v[1100];
+};
+__global__ void big_params_kernel(Big big, float* out) { out[threadIdx.x] = big.v[threadIdx.x]; }
+
+int run(const std::string& name, const float* x, float* out) {
+  if (name == "block_sum") {
+    launch_kernel("block_sum", block_sum_kernel, 4, kBlockSize, 0, nullptr, x, out);
+  } else if (name == "half_warp_mask") {
+    launch_kernel("half_warp_mask", half_warp_mask_kernel, 1, 64, 0, nullptr, x, out);
+  } else if (name == "shuffle_outside_mask") {
+    launch_kernel("shuffle_outside_mask", shuffle_outside_mask_kernel, 1, 64, 0, nullptr, x, out);
+  } else if (name == "missing_barrier") {
+    launch_kernel("missing_barrier", missing_barrier_kernel, 1, kBlockSize, 0, nullptr, x, out);
+  } else if (name == "misaligned_vector") {
+    launch_kernel("misaligned_vector", misaligned_vector_kernel, 1, 32, 0, nullptr, x, out);
+  } else if (name == "early_return") {
+    launch_kernel("early_return", early_return_kernel, 1, kBlockSize, 0, nullptr, x, out);
+  } else if (name == "divergent_barriers") {
+    launch_kernel("divergent_barriers", divergent_barriers_kernel, 1, 128, 0, nullptr, x, out);
+  } else if (name == "deadlock") {
+    launch_kernel("deadlock", deadlock_kernel, 1, 64, 0, nullptr, x, out);
+  } else if (name == "uninitialised_shared") {
+    launch_kernel("uninitialised_shared", uninitialised_shared_kernel, 2, 64, 0, nullptr, x, out);
+  } else if (name == "last_writer") {
+    launch_kernel("last_writer", last_writer_kernel, 1, kBlockSize, 0, nullptr, x, out);
+  } else if (name == "big_params") {
+    launch_kernel("big_params", big_params_kernel, 1, 32, 0, nullptr, Big{}, out);
+  } else if (name == "empty_grid") {
+    launch_kernel("empty_grid", block_sum_kernel, 0, kBlockSize, 0, nullptr, x, out);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Runs control `name` on x (at least 2048 floats) into out (as many) under scheduler seed `seed`.
+// Returns 0, or 1 with the emulator's error message in err, or 2 for an unknown name.
+extern "C" __attribute__((visibility("default"))) int distopt_simt_control(const char* name, uint64_t seed,
+                                                                           const float* x, float* out, char* err,
+                                                                           size_t err_len) {
+  simt::set_seed(seed);
+  try {
+    return run(name, x, out);
+  } catch (const std::exception& e) {
+    std::snprintf(err, err_len, "%s", e.what());
+    return 1;
+  }
+}
+
+// The emulator's counters: launches, blocks, threads, barriers, warp collectives, shared accesses.
+extern "C" __attribute__((visibility("default"))) void distopt_simt_stats(uint64_t* out, int reset) {
+  const simt::Stats s = simt::stats();
+  const uint64_t values[] = {s.launches, s.blocks, s.threads, s.barriers, s.warp_collectives, s.shared_accesses};
+  std::memcpy(out, values, sizeof(values));
+  if (reset) simt::reset_stats();
+}

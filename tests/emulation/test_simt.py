@@ -1,0 +1,168 @@
+"""Controls of the SIMT emulator (csrc/emulation): it must catch each class of kernel bug it claims to
+catch, and pass a correct kernel under any schedule.
+
+The kernels are in controls.cpp, compiled here (once per source change, cached under build/) with the
+emulated build's own flags from csrc/build_config.py, against the same emulator and the same vec.cuh,
+reduce.cuh and launch.cuh as distopt._C_emulated. The op tests run the product kernels under the
+emulator (backend "cuda-emulated" in tests/backends.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "csrc"))
+import build_config  # noqa: E402
+
+NAME = "distopt_simt_controls"
+BLOCK = 512  # kBlockSize
+SEEDS = (0, 1, 2, 3, 12345)
+
+
+class Controls:
+    """ctypes access to controls.cpp's entry points."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.distopt_simt_control.restype = ctypes.c_int
+        self.lib.distopt_simt_control.argtypes = [
+            ctypes.c_char_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+        ]  # fmt: skip
+        self.lib.distopt_simt_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+
+    def run(self, name: str, x: torch.Tensor, out: torch.Tensor, seed: int = 1) -> None:
+        """Runs control ``name``; raises RuntimeError with the emulator's message if it rejects it."""
+        err = ctypes.create_string_buffer(8192)
+        rc = self.lib.distopt_simt_control(name.encode(), seed, x.data_ptr(), out.data_ptr(), err, len(err))
+        if rc == 2:
+            raise ValueError(f"no control named {name!r}")
+        if rc != 0:
+            raise RuntimeError(err.value.decode())
+
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        values = (ctypes.c_uint64 * 6)()
+        self.lib.distopt_simt_stats(values, int(reset))
+        keys = ("launches", "blocks", "threads", "barriers", "warp_collectives", "shared_accesses")
+        return dict(zip(keys, values))
+
+
+@pytest.fixture(scope="module")
+def controls() -> Controls:
+    if not build_config.emulation_requested():
+        pytest.skip("the SIMT emulator is not built on this platform (DISTOPT_BUILD_EMULATED)")
+    build_dir = ROOT / "build" / "emulation" / NAME
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [str(Path(__file__).with_name("controls.cpp"))] + [str(ROOT / s) for s in build_config.EMULATION_RUNTIME]
+    cpp_extension.load(
+        name=NAME,
+        sources=sources,
+        extra_cflags=build_config.EMULATION_FLAGS,
+        extra_include_paths=[build_config.EMULATION_INCLUDE],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    return Controls(build_dir / f"{NAME}.so")
+
+
+@pytest.fixture
+def buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4 * BLOCK), torch.zeros(4 * BLOCK)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_correct_block_reduction_passes_under_every_seed(controls: Controls, buffers, seed: int) -> None:
+    """The product's block_sum (shuffles, shared memory, two barriers) passes every check under several
+    schedules and always gives the same bits (the reduction order is fixed by the code, not the schedule)."""
+    x, out = buffers
+    controls.stats(reset=True)
+    controls.run("block_sum", x, out, seed)
+    expected = x.view(4, BLOCK).double().sum(1).float()
+    torch.testing.assert_close(out[:4], expected, rtol=1e-5, atol=1e-5)
+    first = out[:4].clone()
+    controls.run("block_sum", x, out, seed + 100)
+    assert torch.equal(out[:4], first)
+    stats = controls.stats()
+    assert stats["launches"] == 2 and stats["blocks"] == 8 and stats["threads"] == 8 * BLOCK
+    assert stats["barriers"] == 8 * 2  # two per block_sum
+    assert stats["warp_collectives"] == 8 * (16 + 1) * 5  # 16 warps, then warp 0 again; 5 steps each
+    assert stats["shared_accesses"] == 8 * (16 + 16)  # 16 lane-0 writes, 16 reads by warp 0
+
+
+def test_schedule_depends_on_the_seed(controls: Controls, buffers) -> None:
+    """The scheduler runs threads in order under seed 0 and in seed-dependent, reproducible orders
+    otherwise (the last of 512 unordered writes tells which thread ran last)."""
+    x, out = buffers
+
+    def last_writer(seed: int) -> int:
+        controls.run("last_writer", x, out, seed)
+        return int(out[0].item())
+
+    assert last_writer(0) == BLOCK - 1
+    assert len({last_writer(seed) for seed in range(1, 9)}) > 1
+    assert last_writer(5) == last_writer(5)
+
+
+# (control, error kind, a fragment of the details): what the emulator must report for each broken kernel.
+NEGATIVE = [
+    ("half_warp_mask", "warp collective mask", "with mask 0x0000ffff, which does not include its own lane"),
+    ("shuffle_outside_mask", "warp collective mask", "reads lane 16"),
+    ("missing_barrier", "shared-memory race", "since __syncthreads at "),
+    ("misaligned_vector", "misaligned access", "requires 16-byte alignment, at cuda/vec.cuh:"),
+    ("early_return", "barrier divergence", "thread(s) exited while 256 wait at __syncthreads at cuda/reduce.cuh:"),
+    ("divergent_barriers", "barrier divergence", "threads wait at different barriers"),
+    ("deadlock", "deadlock", "wait at __shfl_down_sync at "),
+    ("uninitialised_shared", "uninitialised shared memory", "which no thread of this block has written"),
+    ("big_params", "invalid launch", "the kernel parameters take 4408 bytes, more than 4096"),
+    ("empty_grid", "invalid launch", "empty grid (0,1,1)"),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize("name,kind,detail", NEGATIVE, ids=[n for n, _, _ in NEGATIVE])
+def test_broken_kernel_is_caught(controls: Controls, buffers, name: str, kind: str, detail: str, seed: int) -> None:
+    """Each broken kernel raises a RuntimeError naming the violation, the kernel and what went wrong,
+    in order (seed 0) and in a random schedule."""
+    x, out = buffers
+    with pytest.raises(RuntimeError, match=f"^CUDA emulator: {kind}") as info:
+        controls.run(name, x, out, seed)
+    message = str(info.value)
+    assert detail in message, message
+    if name not in ("big_params", "empty_grid"):
+        assert f"in kernel '{name}' (grid " in message and f", seed {seed}, " in message, message
+
+
+def test_race_report_names_both_accesses(controls: Controls, buffers) -> None:
+    """A race message gives the file:line of both conflicting accesses (from the build's line tables)."""
+    x, out = buffers
+    with pytest.raises(RuntimeError, match="shared-memory race") as info:
+        controls.run("missing_barrier", x, out, 3)
+    assert str(info.value).count("controls.cpp:") >= 2, str(info.value)
+
+
+def test_emulator_recovers_after_an_error(controls: Controls, buffers) -> None:
+    """A rejected launch leaves the emulator usable: the next launch runs normally."""
+    x, out = buffers
+    with pytest.raises(RuntimeError):
+        controls.run("deadlock", x, out)
+    controls.run("block_sum", x, out)
+    torch.testing.assert_close(out[:4], x.view(4, BLOCK).sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_every_launch_goes_through_launch_kernel() -> None:
+    """No `<<<` launch outside csrc/cuda/launch.cuh, so the emulated build compiles every launch site."""
+    raw = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "csrc").rglob("*"))
+        if path.suffix in (".cu", ".cuh", ".cpp", ".h") and path.name != "launch.cuh"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "<<<" in line and not line.lstrip().startswith("//")
+    ]
+    assert not raw, f"launch with distopt::cuda::launch_kernel instead: {raw}"
