@@ -33,6 +33,7 @@ struct AdamOp {
   using Meta = TensorListMetadata<kDepth>;
   using OutT = std::conditional_t<is_present<O>, O, float>;
   static constexpr int N = vec_elems<P, G, OutT, std::conditional_t<kRem, int16_t, float>>();
+  static constexpr int kMomentPack = kVecBytes / sizeof(float);
 
   __device__ static float load_param(P p, int16_t r) {
     if constexpr (kRem) {
@@ -76,38 +77,45 @@ struct AdamOp {
                          (out == nullptr || is_aligned(out)) && (rem == nullptr || is_aligned(rem));
     if (aligned) {
       const int64_t packs = ch.len / N;
-      for (int64_t k = threadIdx.x; k < packs; k += blockDim.x) {
+      // Blocks have kBlockSize threads (multi_tensor_apply): a constant stride, where blockDim.x
+      // would hold a register that ptxas spills at the 64-register cap.
+      for (int64_t k = threadIdx.x; k < packs; k += kBlockSize) {
         const int64_t i = k * N;
         P rp[N];
         G rg[N];
-        float rm[N], rv[N];
         int16_t rr[N] = {};
         OutT ro[N];
         load_vec<N>(p + i, rp);
         load_vec<N>(g + i, rg);
-        load_vec<N>(m + i, rm);
-        load_vec<N>(v + i, rv);
         if constexpr (kRem) load_vec<N>(rem + i, rr);
+        // The fp32 moments one 16-byte pack at a time: with N = 8 (a 16-bit list) loading all of
+        // them at once needs more registers than two resident blocks per SM leave (64).
 #pragma unroll
-        for (int e = 0; e < N; ++e) {
-          float x = load_param(rp[e], rr[e]);
-          adam_update(x, to_float(rg[e]) * gs, rm[e], rv[e], c);
-          store_param(x, rp[e], rr[e]);
-          ro[e] = from_float<OutT>(x);
+        for (int h = 0; h < N; h += kMomentPack) {
+          float rm[kMomentPack], rv[kMomentPack];
+          load_vec<kMomentPack>(m + i + h, rm);
+          load_vec<kMomentPack>(v + i + h, rv);
+#pragma unroll
+          for (int e = 0; e < kMomentPack; ++e) {
+            float x = load_param(rp[h + e], rr[h + e]);
+            adam_update(x, to_float(rg[h + e]) * gs, rm[e], rv[e], c);
+            store_param(x, rp[h + e], rr[h + e]);
+            ro[h + e] = from_float<OutT>(x);
+          }
+          store_vec<kMomentPack>(m + i + h, rm);
+          store_vec<kMomentPack>(v + i + h, rv);
         }
         store_vec<N>(p + i, rp);
-        store_vec<N>(m + i, rm);
-        store_vec<N>(v + i, rv);
         if constexpr (kRem) store_vec<N>(rem + i, rr);
         if (out != nullptr) store_vec<N>(out + i, ro);
       }
       done = packs * N;
     }
     // Unaligned chunks and the tail: coalesced scalar accesses, N per thread in flight.
-    for (int64_t base = done; base < ch.len; base += static_cast<int64_t>(blockDim.x) * N) {
+    for (int64_t base = done; base < ch.len; base += static_cast<int64_t>(kBlockSize) * N) {
 #pragma unroll
       for (int e = 0; e < N; ++e) {
-        const int64_t i = base + static_cast<int64_t>(e) * blockDim.x + threadIdx.x;
+        const int64_t i = base + static_cast<int64_t>(e) * kBlockSize + threadIdx.x;
         if (i >= ch.len) break;
         int16_t r = 0;
         if constexpr (kRem) r = rem[i];

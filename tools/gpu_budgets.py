@@ -1,0 +1,490 @@
+#!/usr/bin/env python3
+"""Static GPU budgets of the CUDA kernels, checked without a GPU.
+
+Compiles every csrc/cuda/*.cu with the project's real nvcc flags (csrc/build_config.py) to a cubin per
+architecture, reads ptxas's resource report (registers, spills, shared memory), the cubin's kernel
+parameter sizes (cuobjdump -elf) and its SASS global accesses (cuobjdump -sass), and checks every kernel
+instantiation against the budgets below. Prints a markdown table (instantiation, registers, spills,
+occupancy, 128-bit accesses, bytes per element, bandwidth-bound time), optionally writes JSON, and
+exits 1 listing each violation (2 when the tools are missing).
+
+    .venv/bin/python tools/gpu_budgets.py [--arch sm_80,sm_90] [--json out.json] [--cache-dir DIR]
+
+Compiled results are cached under --cache-dir, keyed by the compile command, the toolchain versions
+and the contents of csrc/, so a rerun with unchanged sources compiles nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# ---- Budgets ---------------------------------------------------------------------------------------
+# At most 64 registers per thread: 65536 registers / 64 = 1024 resident threads, i.e. two 512-thread
+# blocks per SM (50% of the 2048 thread slots). These kernels stream memory; a second resident block
+# keeps loads in flight while the other block starts up (metadata, coefficients) or drains its tail.
+MAX_REGISTERS = 64
+# No local memory at all: spills and stack frames live in off-chip local memory, adding traffic to a
+# kernel whose speed is its memory traffic.
+MAX_LOCAL_BYTES = 0
+# Kernel arguments were limited to 4 KiB before CUDA 12.1 (and still are on older drivers); the
+# metadata structs are sized for it (kMaxKernelArgBytes in csrc/cuda/multi_tensor_apply.cuh).
+MAX_PARAM_BYTES = 4096
+# Bandwidth-bound time: bytes moved for PARAMS elements at the H100's measured HBM bandwidth.
+HBM_BYTES_PER_S = 3.0e12
+PARAMS = 1e9
+DEFAULT_ARCHS = ("sm_80", "sm_90")
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE_VERSION = "1"  # bump when the cached summary's layout changes
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM limits of an architecture (CUDA programming guide, compute capability table)."""
+
+    smem_per_sm: int  # largest shared-memory carve-out, bytes
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
+    sub_partitions: int = 4  # registers are allocated per sub-partition (cuda_occupancy.h)
+    reg_unit: int = 256  # registers are allocated to a warp in units of 256
+    smem_reserved_per_block: int = 1024  # the runtime reserves 1 KiB of shared memory per block
+
+
+ARCH_LIMITS = {"sm_80": ArchLimits(smem_per_sm=167936), "sm_90": ArchLimits(smem_per_sm=233472)}
+
+# Element types as they appear in demangled names: (short name, bytes).
+TYPES = {"float": ("fp32", 4), "c10::Half": ("fp16", 2), "c10::BFloat16": ("bf16", 2),
+         "distopt::NoList": ("none", 0), "short": ("int16", 2)}
+
+
+@dataclass
+class Kernel:
+    """One kernel instantiation on one architecture: what ptxas and cuobjdump report, plus the model."""
+
+    arch: str
+    mangled: str
+    name: str = ""  # readable instantiation, e.g. "adam p=bf16 g=fp32 out=none rem"
+    op: str = ""  # adam, scale, l2norm, or the plain kernel name
+    registers: int = 0
+    stack_bytes: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    smem_bytes: int = 0
+    param_bytes: int | None = None
+    accesses: dict[str, int] = field(default_factory=dict)  # "LDG.128" -> count in the SASS
+    expected_ldg128: int | None = None  # 128-bit loads of one aligned-loop step, every list
+    expected_stg128: int | None = None
+    bytes_per_elem: int | None = None
+    blocks_per_sm: int = 0
+    occupancy: float = 0.0
+    violations: list[str] = field(default_factory=list)
+
+
+# ---- Tools ------------------------------------------------------------------------------------------
+def find_nvcc(csrc: Path | None = None) -> str | None:
+    """nvcc of the toolkit build_config picks (CUDA_HOME, nvcc on PATH, /usr/local/cuda)."""
+    home = load_build_config(csrc or ROOT / "csrc").find_cuda_home()
+    return str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
+
+
+def _site_package_dirs(name: str) -> list[Path]:
+    """Folders of an installed (namespace) package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+
+
+def find_cuobjdump(nvcc: str | None = None) -> str | None:
+    """The toolkit's cuobjdump, else the pip package nvidia-cuda-cuobjdump's, else triton's bundled one."""
+    nvcc = nvcc or find_nvcc()
+    candidates = [Path(nvcc).parent / "cuobjdump"] if nvcc else []
+    if shutil.which("cuobjdump"):
+        candidates.append(Path(shutil.which("cuobjdump")))
+    for d in _site_package_dirs("nvidia"):
+        candidates += sorted(d.glob("*/bin/cuobjdump"))  # nvidia/cu13/bin/cuobjdump
+    for d in _site_package_dirs("triton"):
+        candidates.append(d / "backends" / "nvidia" / "bin" / "cuobjdump")
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+def find_demangler() -> str | None:
+    """c++filt (binutils) or CUDA's cu++filt: both demangle these Itanium names."""
+    return shutil.which("c++filt") or shutil.which("cu++filt")
+
+
+def demangle(names: list[str], tool: str) -> dict[str, str]:
+    """Mangled -> demangled, one subprocess for all names."""
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+# ---- Compiling --------------------------------------------------------------------------------------
+def load_build_config(csrc: Path):
+    """Imports <csrc>/build_config.py (the scratch copy's own, when --csrc points at one)."""
+    spec = importlib.util.spec_from_file_location(f"_build_config_{abs(hash(str(csrc)))}", csrc / "build_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def base_command(bc) -> list[str]:
+    """nvcc flags, defines and includes exactly as build_config gives the real build (less the arch)."""
+    bc.prepare_environment(True)  # sets CUDA_HOME before torch.utils.cpp_extension reads it
+    import logging
+    import sysconfig
+
+    # Without a GPU cpp_extension logs "No CUDA runtime is found": expected here, and noise in CI logs.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    kw = bc.extension_kwargs(True)
+    try:
+        includes = ce.include_paths(device_type="cuda")
+    except TypeError:  # torch < 2.5
+        includes = ce.include_paths(cuda=True)
+    defines = [f"{k}={v}" for k, v in kw["define_macros"]] + [
+        "TORCH_EXTENSION_NAME=_C", "TORCH_API_INCLUDE_EXTENSION_H",
+        f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    return [*ce.COMMON_NVCC_FLAGS, *kw["extra_compile_args"]["nvcc"], f"-std=c++{bc.cxx_standard()}",
+            *(f"-D{d}" for d in defines), *(f"-I{i}" for i in [*includes, sysconfig.get_paths()["include"]])]
+
+
+def tool_version(tool: str) -> str:
+    return subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def sources_digest(csrc: Path) -> str:
+    """Hash of everything under csrc/ a .cu can include (headers are not tracked one by one)."""
+    h = hashlib.sha256()
+    for p in sorted(csrc.rglob("*")):
+        if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".hpp", ".py"):
+            h.update(str(p.relative_to(csrc)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def analyse_source(src: Path, arch: str, base: list[str], tools: dict[str, str], cache_dir: Path,
+                   key_parts: list[str]) -> dict:
+    """Compiles one .cu for one arch (or loads the cached result): ptxas report, SASS accesses, param sizes."""
+    cmd = [tools["nvcc"], "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas=-v", *base, str(src)]
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, cmd, *key_parts]).encode()).hexdigest()[:20]
+    tree = hashlib.sha256(str(src.parent).encode()).hexdigest()[:8]  # a scratch --csrc keeps its own entries
+    cached = cache_dir / f"{src.stem}-{arch}-{tree}-{key}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / f"{src.stem}.cubin"
+        proc = subprocess.run([*cmd, "-o", str(cubin)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {src.name} ({arch}):\n{proc.stdout}{proc.stderr}")
+        sass = subprocess.run([tools["cuobjdump"], "-sass", str(cubin)], capture_output=True, text=True, check=True)
+        elf = subprocess.run([tools["cuobjdump"], "-elf", str(cubin)], capture_output=True, text=True, check=True)
+    result = {"source": src.name, "arch": arch, "ptxas": proc.stdout + proc.stderr,
+              "accesses": parse_sass(sass.stdout), "params": parse_elf_params(elf.stdout)}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for stale in cache_dir.glob(f"{src.stem}-{arch}-{tree}-*.json"):  # older sources or flags: keep it small
+        stale.unlink(missing_ok=True)
+    tmp_path = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp_path.write_text(json.dumps(result))
+    tmp_path.replace(cached)  # atomic: an interrupted run leaves no truncated entry
+    return result
+
+
+# ---- Parsing ----------------------------------------------------------------------------------------
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
+    """ptxas -v output -> {mangled entry: registers, stack_bytes, spill_stores, spill_loads, smem_bytes}.
+
+    A non-inlined callee's frame (e.g. __internal_accurate_pow) is reported after the entry that calls
+    it; its stack and spills are charged to that entry, since the entry's threads execute them.
+    """
+    kernels: dict[str, dict[str, int]] = {}
+    entry: str | None = None
+    props_of: str | None = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            entry = m.group(1)
+            kernels[entry] = {"registers": 0, "stack_bytes": 0, "spill_stores": 0, "spill_loads": 0,
+                              "smem_bytes": 0}
+        elif m := _PROPS.search(line):
+            props_of = m.group(1)
+        elif (m := _FRAME.search(line)) and entry is not None and props_of is not None:
+            k = kernels[entry]
+            k["stack_bytes"] += int(m.group(1))
+            k["spill_stores"] += int(m.group(2))
+            k["spill_loads"] += int(m.group(3))
+            props_of = None
+        elif (m := _USED.search(line)) and entry is not None:
+            kernels[entry]["registers"] = int(m.group(1))
+            if s := _SMEM.search(line):
+                kernels[entry]["smem_bytes"] = int(s.group(1))
+    return kernels
+
+
+_SASS_FUNC = re.compile(r"^\s*Function : (\S+)")
+_SASS_MEM = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(LDG|STG)((?:\.\w+)*)\s")
+
+
+def access_width(modifiers: str) -> int:
+    """Bits moved by one LDG/STG from its modifiers (.E.128, .E.64, .E.U16, .E.128.CONSTANT, ...)."""
+    mods = set(modifiers.strip(".").split("."))
+    for bits, names in ((128, {"128"}), (64, {"64"}), (16, {"U16", "S16"}), (8, {"U8", "S8"})):
+        if mods & names:
+            return bits
+    return 32
+
+
+def parse_sass(text: str) -> dict[str, dict[str, int]]:
+    """cuobjdump -sass output -> {mangled function: {"LDG.128": n, "STG.32": n, ...}}."""
+    out: dict[str, Counter] = {}
+    current: Counter | None = None
+    for line in text.splitlines():
+        if m := _SASS_FUNC.match(line):
+            current = out.setdefault(m.group(1), Counter())
+        elif current is not None and (m := _SASS_MEM.match(line)):
+            current[f"{m.group(1)}.{access_width(m.group(2))}"] += 1
+    return {k: dict(v) for k, v in out.items()}
+
+
+def parse_elf_params(text: str) -> dict[str, int]:
+    """cuobjdump -elf output -> {mangled function: kernel parameter bytes} (EIATTR_CBANK_PARAM_SIZE)."""
+    params: dict[str, int] = {}
+    func: str | None = None
+    want = False
+    for line in text.splitlines():
+        if line.startswith(".nv.info."):
+            func, want = line[len(".nv.info."):].strip(), False
+        elif "EIATTR_CBANK_PARAM_SIZE" in line:
+            want = True
+        elif want and func and (m := re.search(r"Value:\s*(0x[0-9a-fA-F]+)", line)):
+            params[func] = int(m.group(1), 16)
+            want = False
+    return params
+
+
+# ---- The model of each op's aligned loop ------------------------------------------------------------
+def _size(t: str) -> int:
+    return TYPES[t][1] if t in TYPES else 0
+
+
+def _short(t: str) -> str:
+    return TYPES[t][0] if t in TYPES else t
+
+
+def op_model(op: str, args: list[str]) -> tuple[str, list[str], list[str], list[str]] | None:
+    """(name, loaded list types, stored list types, types that set N) of an op's aligned loop, per
+    csrc/cuda/<op>.cu: N = 16 / narrowest type, each list moves N elements per step."""
+    if op == "AdamOp":
+        p, g, o, rem = args
+        has_out, has_rem = o != "distopt::NoList", rem == "true"
+        loads = [p, g, "float", "float"] + (["short"] if has_rem else [])
+        stores = [p, "float", "float"] + (["short"] if has_rem else []) + ([o] if has_out else [])
+        vec = [p, g, o if has_out else "float", "short" if has_rem else "float"]
+        name = f"adam p={_short(p)} g={_short(g)} out={_short(o)}" + (" rem" if has_rem else "")
+        return name, loads, stores, vec
+    if op == "ScaleOp":
+        i, o = args
+        return f"scale {_short(i)}->{_short(o)}", [i], [o], [i, o]
+    if op == "L2NormOp":
+        (t,) = args
+        return f"l2norm {_short(t)}", [t], [], [t]
+    return None
+
+
+_OP = re.compile(r"::(\w+Op)<([^<>]*)>")
+
+
+def describe(kernel: Kernel, demangled: str) -> None:
+    """Fills name, op, expected 128-bit accesses and bytes per element from the demangled name."""
+    if m := _OP.search(demangled):
+        model = op_model(m.group(1), [a.strip() for a in m.group(2).split(",")])
+        if model is None:
+            kernel.name, kernel.op = m.group(0).lstrip(":"), m.group(1)
+            kernel.violations.append(f"no access model for {m.group(1)}: add it to op_model()")
+            return
+        kernel.name, loads, stores, vec = model
+        kernel.op = kernel.name.split()[0]
+        n = 16 // min(_size(t) for t in vec)
+        kernel.expected_ldg128 = sum(n * _size(t) // 16 for t in loads)
+        kernel.expected_stg128 = sum(n * _size(t) // 16 for t in stores)
+        kernel.bytes_per_elem = sum(_size(t) for t in loads + stores)
+    else:  # a plain __global__ function: its unqualified name
+        plain = re.sub(r"\(.*$", "", demangled.replace("(anonymous namespace)", "{anon}"))  # drop the arguments
+        kernel.name = kernel.op = plain.split("::")[-1]
+
+
+def occupancy(registers: int, smem: int, block: int, lim: ArchLimits) -> tuple[int, float]:
+    """Resident blocks per SM and the fraction of thread slots they fill (cuda_occupancy.h's rules)."""
+    warps = math.ceil(block / 32)
+    limits = [lim.blocks_per_sm, lim.threads_per_sm // (warps * 32)]
+    if registers:
+        per_warp = math.ceil(registers * 32 / lim.reg_unit) * lim.reg_unit
+        warps_per_sub = (lim.regs_per_sm // lim.sub_partitions) // per_warp
+        limits.append(warps_per_sub * lim.sub_partitions // warps)
+    if smem:
+        limits.append(lim.smem_per_sm // (math.ceil((smem + lim.smem_reserved_per_block) / 128) * 128))
+    blocks = max(0, min(limits))
+    return blocks, blocks * warps * 32 / lim.threads_per_sm
+
+
+def check(kernel: Kernel) -> None:
+    """Appends every budget violation of one kernel to kernel.violations."""
+    v = kernel.violations
+    if kernel.registers > MAX_REGISTERS:
+        v.append(f"{kernel.registers} registers > {MAX_REGISTERS} ({kernel.blocks_per_sm} block(s)/SM)")
+    if max(kernel.stack_bytes, kernel.spill_stores, kernel.spill_loads) > MAX_LOCAL_BYTES:
+        v.append(f"local memory: {kernel.stack_bytes} B stack, {kernel.spill_stores} B spill stores, "
+                 f"{kernel.spill_loads} B spill loads")
+    if kernel.param_bytes is None:
+        v.append("kernel parameter size not found in the cubin")
+    elif kernel.param_bytes > MAX_PARAM_BYTES:
+        v.append(f"{kernel.param_bytes} B of kernel parameters > {MAX_PARAM_BYTES}")
+    if kernel.expected_ldg128 is None:
+        return
+    a = kernel.accesses
+    wide = {k: n for k, n in a.items() if k.endswith(".64")}
+    if wide:  # the op kernels read no 64-bit data: a .64 access is a 16-byte pack split in two
+        v.append(f"64-bit global accesses {wide}: a list's aligned access is not 128-bit")
+    # Each copy of the aligned loop body (the compiler may unroll or peel it) moves every list in
+    # 128-bit packs: the counts must be a nonzero multiple of one step's packs.
+    for kind, want in (("LDG", kernel.expected_ldg128), ("STG", kernel.expected_stg128)):
+        got = a.get(f"{kind}.128", 0)
+        if want and (got < want or got % want):
+            v.append(f"{got} {kind}.128, want a nonzero multiple of {want} (one per 16 B of every list)")
+        if not want and got:
+            v.append(f"{got} unexpected {kind}.128")
+
+
+def collect(results: list[dict], demangler: str, block: int) -> list[Kernel]:
+    """Kernel records from the per-(source, arch) results, described, sized and checked."""
+    kernels: list[Kernel] = []
+    for r in results:
+        for mangled, stats in parse_ptxas(r["ptxas"]).items():
+            kernels.append(Kernel(arch=r["arch"], mangled=mangled, param_bytes=r["params"].get(mangled),
+                                  accesses=r["accesses"].get(mangled, {}), **stats))
+    names = demangle(sorted({k.mangled for k in kernels}), demangler)
+    for k in kernels:
+        describe(k, names[k.mangled])
+        k.blocks_per_sm, k.occupancy = occupancy(k.registers, k.smem_bytes, block, ARCH_LIMITS[k.arch])
+        check(k)
+    return sorted(kernels, key=lambda k: (k.op, k.name, k.arch))
+
+
+def block_size(csrc: Path) -> int:
+    """kBlockSize, the block size every kernel is launched with (csrc/cuda/multi_tensor_apply.cuh today)."""
+    for header in sorted((csrc / "cuda").glob("*.cuh")):
+        if m := re.search(r"constexpr\s+int\s+kBlockSize\s*=\s*(\d+)\s*;", header.read_text()):
+            return int(m.group(1))
+    raise SystemExit("gpu_budgets: kBlockSize not found in csrc/cuda/*.cuh")
+
+
+# ---- Report -----------------------------------------------------------------------------------------
+def table(kernels: list[Kernel], archs: list[str]) -> str:
+    """Markdown table: one row per instantiation, per-arch values joined by ' · ' in `archs` order."""
+    rows: dict[str, dict[str, Kernel]] = {}
+    for k in kernels:
+        rows.setdefault(k.name, {})[k.arch] = k
+
+    def per_arch(by_arch: dict[str, Kernel], fmt) -> str:
+        return " · ".join(fmt(by_arch[a]) if a in by_arch else "-" for a in archs)
+
+    params = f"{PARAMS:.0e}".replace("e+0", "e")
+    head = [f"instantiation ({' · '.join(archs)})", "registers", "spill B", "occupancy", "128-bit ld/st (per step)",
+            "params B", "B/elem", f"ms for {params} @ {HBM_BYTES_PER_S / 1e12:.1f} TB/s", "budget"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, by_arch in rows.items():
+        k0 = next(iter(by_arch.values()))
+        vec = "-"
+        if k0.expected_ldg128 is not None:
+            found = per_arch(by_arch, lambda k: f"{k.accesses.get('LDG.128', 0)}/{k.accesses.get('STG.128', 0)}")
+            vec = f"{found} ({k0.expected_ldg128}/{k0.expected_stg128})"
+        ms = "-" if k0.bytes_per_elem is None else f"{k0.bytes_per_elem * PARAMS / HBM_BYTES_PER_S * 1e3:.2f}"
+        ok = "ok" if not any(k.violations for k in by_arch.values()) else "**FAIL**"
+        lines.append("| " + " | ".join([
+            name, per_arch(by_arch, lambda k: str(k.registers)),
+            per_arch(by_arch, lambda k: str(max(k.spill_stores, k.stack_bytes))),
+            per_arch(by_arch, lambda k: f"{k.occupancy:.0%}"), vec,
+            per_arch(by_arch, lambda k: str(k.param_bytes)), str(k0.bytes_per_elem or "-"), ms, ok]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default=",".join(DEFAULT_ARCHS), help="comma-separated, e.g. sm_80,sm_90")
+    parser.add_argument("--csrc", type=Path, default=ROOT / "csrc", help="the csrc/ folder to check")
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / "build-budgets", help="compiled-result cache")
+    parser.add_argument("--json", type=Path, help="also write every kernel's record here")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel nvcc runs")
+    args = parser.parse_args(argv)
+
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    unknown = [a for a in archs if a not in ARCH_LIMITS]
+    if unknown:
+        parser.error(f"unknown arch {unknown}; known: {sorted(ARCH_LIMITS)}")
+    csrc = args.csrc.resolve()
+    nvcc = find_nvcc(csrc)
+    tools = {"nvcc": nvcc, "cuobjdump": find_cuobjdump(nvcc), "demangler": find_demangler()}
+    missing = [t for t, path in tools.items() if path is None]
+    if missing:
+        print(f"gpu_budgets: not found: {', '.join(missing)} (cuobjdump: CUDA toolkit, "
+              "`pip install nvidia-cuda-cuobjdump`, or triton's bundled copy)", file=sys.stderr)
+        return 2
+
+    bc = load_build_config(csrc)
+    base = base_command(bc)
+    import torch
+
+    key_parts = [tool_version(tools["nvcc"]), tool_version(tools["cuobjdump"]), torch.__version__,
+                 sources_digest(csrc)]
+    sources = [bc.ROOT / s for s in bc.CUDA_SOURCES]
+    jobs = [(src, arch) for src in sources for arch in archs]
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            results = list(pool.map(lambda j: analyse_source(*j, base, tools, args.cache_dir, key_parts), jobs))
+    except (RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"gpu_budgets: {e}", file=sys.stderr)
+        return 2
+
+    kernels = collect(results, tools["demangler"], block_size(csrc))
+    print(f"GPU budgets: registers <= {MAX_REGISTERS}, local memory <= {MAX_LOCAL_BYTES} B, kernel params <= "
+          f"{MAX_PARAM_BYTES} B, aligned loops 128-bit for every list; block size {block_size(csrc)}\n")
+    print(table(kernels, archs))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(k) for k in kernels], indent=1))
+    bad = [k for k in kernels if k.violations]
+    if bad:
+        print(f"\n{sum(len(k.violations) for k in bad)} budget violation(s) in {len(bad)} kernel(s):", file=sys.stderr)
+        for k in bad:
+            for v in k.violations:
+                print(f"  {k.arch} {k.name}: {v}", file=sys.stderr)
+        return 1
+    print(f"\nall {len(kernels)} kernels within budget")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
