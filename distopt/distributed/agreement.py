@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .comm import Comm
+
 if TYPE_CHECKING:
     from .optimizer import DistributedFusedAdam
 
@@ -167,3 +169,16 @@ def _by_value(values: list[str], ranks: list[int]) -> str:
 def check(opt: DistributedFusedAdam) -> None:
     """check_ranks_agree(fingerprint(opt)) over the optimizer's data-parallel group, on its device."""
     check_ranks_agree(fingerprint(opt), opt.comm.process_group, opt.device)
+
+
+def check_iteration(comm: Comm, device: torch.device, dropped: bool) -> None:
+    """Counts the ranks that dropped this iteration's gradients (zero_grad() after an exception in
+    backward, or without a step); if some but not all did, every rank raises the same error instead
+    of pairing the collectives of different iterations (see grad_sync.py)."""
+    n = comm.count_ranks(dropped, device)
+    if 0 < n < comm.data_parallel_size:
+        raise RuntimeError(
+            f"DistributedFusedAdam: {n} of {comm.data_parallel_size} ranks dropped this iteration's gradients "
+            "(zero_grad() after an exception in backward, or without step()) while the others synchronised them "
+            "for a step: the ranks are no longer in step. Restart from a checkpoint (as with DDP), and make every "
+            "rank skip an iteration together.")

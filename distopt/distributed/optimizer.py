@@ -338,19 +338,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._reset_grad_scaling()
 
     def _agree_on_iteration(self, dropped: bool) -> None:
-        """One tiny all-reduce per synchronising iteration (none for one rank, or capturable, which
-        must not read the device): if some ranks dropped their gradients (zero_grad() after an
-        exception in backward, or without a step) while others go on to step, every rank raises the
-        same error instead of pairing the collectives of different iterations (see grad_sync.py)."""
-        if self.comm.data_parallel_size == 1 or self.capturable:
-            return
-        n = self.comm.count_ranks(dropped, self.device)
-        if 0 < n < self.comm.data_parallel_size:
-            raise RuntimeError(
-                f"DistributedFusedAdam: {n} of {self.comm.data_parallel_size} ranks dropped this iteration's gradients "
-                "(zero_grad() after an exception in backward, or without step()) while the others synchronised them "
-                "for a step: the ranks are no longer in step. Restart from a checkpoint (as with DDP), and make every "
-                "rank skip an iteration together.")
+        """One tiny all-reduce per synchronising iteration (see agreement.check_iteration); none for
+        one rank, or capturable steps, which must not read the device."""
+        if self.comm.data_parallel_size > 1 and not self.capturable:
+            agreement.check_iteration(self.comm, self.device, dropped)
 
     # ------------------------------------------------------------------ step
 
