@@ -166,14 +166,14 @@ class ParamSync:
 
     def _first_sight(self, module: nn.Module) -> set[int]:
         needs = {self.index[p] for p in _owned(module) if p in self.index}
-        self._needs[module] = needs
-        self.seen.update(needs)
         ours = [self.index[p] for p in module.parameters() if p in self.index]
-        if ours and isinstance(module, DistributedDataParallel):
+        if ours and isinstance(module, DistributedDataParallel):  # refused at every call, never remembered
             raise ValueError(
                 f"param {ours[0]} of DistributedFusedAdam is inside a DistributedDataParallel module: the optimizer "
                 "reduce-scatters gradients itself, so DDP would reduce them twice (and torch's clip_grad_norm_ "
                 "would see no .grad). Train the bare model (ddp.module), without the DDP wrapper.")
+        self._needs[module] = needs
+        self.seen.update(needs)
         if ours and not self.overlap:
             self.close()  # the model runs: nothing more to check
         elif ours:

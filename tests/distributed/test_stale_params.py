@@ -210,12 +210,18 @@ def test_gradient_from_a_stale_read_is_refused_with_the_remedy():
 def ddp_wrapped(rank: int, world_size: int) -> str:
     model = nn.Linear(4, 2)
     opt = DistributedFusedAdam(model.parameters())
-    try:
-        DDP(model)(torch.randn(3, 4)).sum().backward()
-    except ValueError as exc:
-        return str(exc)
-    opt.step()
-    raise AssertionError("a DDP-wrapped model trained under DistributedFusedAdam")
+    ddp = DDP(model)
+    messages = []
+    for _ in range(2):  # refused every time, not only the first
+        try:
+            ddp(torch.randn(3, 4)).sum().backward()
+        except ValueError as exc:
+            messages.append(str(exc))
+            continue
+        opt.step()
+        raise AssertionError("a DDP-wrapped model trained under DistributedFusedAdam")
+    assert messages[0] == messages[1]
+    return messages[0]
 
 
 def test_model_wrapped_in_ddp_is_refused():
