@@ -31,7 +31,9 @@ CPU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cpp"), *CS
 CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
 
 # -fno-math-errno: sqrtf needs no errno branch, so the CPU Adam loop vectorizes (same results).
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+# -ffp-contract=off: --fmad=false's counterpart, so an FMA host (aarch64, -march=x86-64-v3) computes
+# the shared math in csrc/math with the GPU's roundings instead of contracting it into FMAs.
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 # --fmad=false: no fused multiply-add contraction, so the shared math in csrc/math gives the same
 # bits on the GPU as in the CPU kernels that the tests run (the kernels are memory bound: no cost).
 NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
