@@ -128,13 +128,18 @@ def reference_step(sc: Scenario, ref_model: nn.Module, opt: torch.optim.Optimize
             opt.unscale_grads(grad_scaler=scaler) if sc.bf16 else scaler.unscale_(opt)
         norm = opt.clip_grad_norm(sc.clip) if sc.bf16 else torch.nn.utils.clip_grad_norm_(ref_model.parameters(),
                                                                                            sc.clip)
+    finish_step(opt, scaler)
+    return norm
+
+
+def finish_step(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The step both runs end with: through the scaler when there is one, then zero_grad."""
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
     opt.zero_grad()
-    return norm
 
 
 def our_step(sc: Scenario, opt: DistributedFusedAdam, scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
@@ -146,18 +151,13 @@ def our_step(sc: Scenario, opt: DistributedFusedAdam, scaler: torch.amp.GradScal
         scaler.unscale_(opt)
     if sc.clip is not None:
         norm = opt.clip_grad_norm(sc.clip)
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad()
+    finish_step(opt, scaler)
     return norm
 
 
 def train(rank: int, world_size: int, sc: Scenario) -> dict:
     """Both runs on this rank, compared every micro-batch and step."""
-    warnings.filterwarnings("ignore", message="DistributedFusedAdam: buckets are only")
+    warnings.filterwarnings("ignore", message="DistributedFusedAdam: buckets are ")  # tiny buckets pad
     ref_model, model = make_model(sc), make_model(sc)
     ddp = DDP(ref_model, find_unused_parameters=sc.find_unused)
     ref_opt = reference_optimizer(sc, ref_model)
