@@ -254,14 +254,6 @@ class BucketRuntime:
         s.exp_avg.copy_(exp_avg)
         s.exp_avg_sq.copy_(exp_avg_sq)
 
-    def gather_state(self, comm: Comm, params: list[Tensor]) -> Tensor:
-        """The whole bucket's fp32 masters, exp_avg and exp_avg_sq (3 x bucket numel, on the device),
-        all-gathered from every rank's shard: the per-param state dict reads it through ``spec.pieces``."""
-        local = torch.stack(self.read_state(params))
-        gathered = torch.empty(comm.dist_size * local.numel(), dtype=torch.float32, device=self.device)
-        comm.all_gather(gathered, local.reshape(-1), self.index).wait()
-        return gathered.view(comm.dist_size, 3, -1).transpose(0, 1).reshape(3, -1)
-
 
 def shard_runs(fragments: tuple[Fragment, ...], shard_numel: int, group_of: list[int]) -> list[tuple[int, int, int]]:
     """Splits a shard into (param group, start, end) runs for the update kernel: maximal stretches of
