@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import zlib
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
@@ -111,3 +113,27 @@ def check_state_checksums(state: dict[Any, dict[str, Any]], checksums: Any) -> N
             if tensor_crc32(value) != expected:
                 raise ValueError(f"state {name!r} of param {k} does not match its checksum: the state dict "
                                  f"is corrupted {hint}")
+
+
+def state_dict_with_hooks(opt: torch.optim.Optimizer, make: Callable[[], dict | None]) -> dict | None:
+    """``make()`` between torch's state-dict pre and post hooks, as ``Optimizer.state_dict`` runs
+    them (post hooks only where there is a state dict: gather_on_rank0 gives None elsewhere)."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    sd = make()
+    for post_hook in opt._optimizer_state_dict_post_hooks.values() if sd is not None else ():
+        result = post_hook(opt, sd)
+        sd = sd if result is None else result
+    return sd
+
+
+def load_with_hooks(opt: torch.optim.Optimizer, state_dict: Any, load: Callable[[Any], None]) -> None:
+    """``load(state_dict)`` between torch's load-state-dict pre hooks (which may replace the dict) and
+    post hooks, as ``Optimizer.load_state_dict`` runs them."""
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict  # hooks may edit it
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        state_dict = state_dict if result is None else result
+    load(state_dict)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,3 +121,13 @@ def check_adamw_options(group: dict, where: str = "") -> None:
     if not isinstance(group.get("maximize", False), bool):
         raise ValueError(f"{where}maximize must be True or False, got {group['maximize']!r}")
     weight_decay_mode(group.get("adam_w_mode"), group.get("decoupled_weight_decay"), where)
+
+
+def reconcile_weight_decay_switch(group: Any, where: str = "") -> None:
+    """A param group given with either name of the weight-decay switch (adam_w_mode,
+    decoupled_weight_decay) gets both, agreeing (not the optimizer's default for the other name)."""
+    if not isinstance(group, dict):
+        return  # torch's add_param_group refuses it
+    given = (group.get("adam_w_mode"), group.get("decoupled_weight_decay"))
+    if given != (None, None):
+        group["adam_w_mode"] = group["decoupled_weight_decay"] = weight_decay_mode(*given, where)

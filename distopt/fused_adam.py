@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._state_dicts import check_saved_groups, restore_hyperparameters
+from ._state_dicts import check_saved_groups, load_with_hooks, restore_hyperparameters
 from ._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
@@ -18,6 +18,7 @@ from ._validation import (
     check_graph_lr,
     check_param_tensors,
     check_unique_params,
+    reconcile_weight_decay_switch,
     weight_decay_mode,
 )
 from .grad_scaling import GradScaling
@@ -120,11 +121,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
         where = f"FusedAdam param_groups[{index}]: "
-        if isinstance(param_group, dict):
-            # A group naming the weight-decay switch once sets both names (not the default for the other).
-            given = (param_group.get("adam_w_mode"), param_group.get("decoupled_weight_decay"))
-            if given != (None, None):
-                param_group["adam_w_mode"] = param_group["decoupled_weight_decay"] = weight_decay_mode(*given, where)
+        reconcile_weight_decay_switch(param_group, where)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -369,14 +366,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         before anything changes. Load-state-dict pre and post hooks run as in torch.optim: a pre hook
         gets a shallow copy of ``state_dict`` and may return a replacement; post hooks run after loading.
         """
-        state_dict = state_dict.copy()  # shallow, as torch.optim does: pre hooks may edit it
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        self._load_state_dict(state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):

@@ -10,12 +10,14 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._state_dicts import load_with_hooks, state_dict_with_hooks
 from .._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
     check_graph_lr,
     check_param_tensors,
     check_unique_params,
+    reconcile_weight_decay_switch,
 )
 from ..grad_scaling import GradScaling
 from . import agreement, checkpoint, torch_compat, update
@@ -237,7 +239,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             raise RuntimeError("DistributedFusedAdam cannot add param groups after construction: "
                                "the bucket layout covers the params it was built with")
         index = len(self.param_groups)
-        torch_compat.reconcile_group(param_group, index)
+        reconcile_weight_decay_switch(param_group, f"param group {index}: ")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         try:
@@ -459,14 +461,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
         with `gather_on_rank0` only rank 0 assembles it (the others return None). See checkpoint.py,
         also for sharded save/load through torch.distributed.checkpoint. torch's state-dict hooks fire."""
-        return torch_compat.state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0))
+        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
         FusedAdam state dict, keyed by param position or (as torch.distributed.checkpoint's
         ``get_state_dict`` makes them) by the names its param_groups list; checks everything (with
         the checksums ``state_dict()`` records) before changing anything. Every rank must call it."""
-        torch_compat.load_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
+        load_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
 
     def __reduce_ex__(self, protocol: int):
         raise TypeError("DistributedFusedAdam cannot be copied or pickled: it holds process groups, autograd "
