@@ -34,7 +34,46 @@ struct AdamCoeffs {
   float bc2_sqrt;   // sqrt(1 - beta2^step)
 };
 
+// Note [Bit-identical coefficients]
+// adam_coeffs runs on the host for the eager update (CPU and CUDA kernels alike) and on the device in
+// the capturable CUDA kernel (Note [Capturable coefficients once per block] in cuda/adam.cu). Both give
+// the same bits because it uses only IEEE-754 basic operations, which every conforming implementation
+// rounds the same way (correctly rounded, round to nearest even): double +, -, *, / and sqrt, and
+// double -> float conversion. The CUDA build keeps them that way (--fmad=false: no contraction into
+// FMAs; double division and sqrt are IEEE by default), as does the host build (-ffp-contract=off;
+// x86-64 and aarch64 evaluate doubles in double, FLT_EVAL_METHOD 0). The one non-basic operation,
+// beta^step, is pow_by_squaring below: the same multiplications in the same order on both sides,
+// where ::pow from glibc and from the CUDA math library may differ in the last bit. (A flush-to-zero
+// host mode cannot change the result: a product that underflows only ever meets 1 - x with x tiny.)
+// Non-integer steps (only possible in a capturable step tensor, never in the eager op) use ::pow.
+
+// base^n for a whole n >= 0 by binary exponentiation (about 2 log2(n) multiplications). Its relative
+// error is about n * 2^-53 (each squaring doubles the error so far), so 1 - beta^n, what the
+// coefficients use, is off by at most about 2^-53 * n * beta^n / (1 - beta^n) <= 2^-53 / (1 - beta)
+// relative: 1e-13 for beta = 0.999, 1e-12 for 0.9999 -- as good as a correctly rounded pow for small
+// steps, and far below fp32's 6e-8 always, so the fp32 coefficients match torch's to the last bit
+// except for rare ties at a rounding boundary.
+DISTOPT_HD double pow_by_squaring(double base, uint64_t n) {
+  double result = 1.0;
+  while (n != 0) {
+    if (n & 1u) result *= base;
+    n >>= 1;
+    if (n != 0) base *= base;
+  }
+  return result;
+}
+
+// beta^step: pow_by_squaring for whole steps up to 2^53 (exact in a double), ::pow otherwise.
+DISTOPT_HD double bias_pow(double beta, double step) {
+  if (step >= 0.0 && step <= 9007199254740992.0) {
+    const auto n = static_cast<uint64_t>(step);
+    if (static_cast<double>(n) == step) return pow_by_squaring(beta, n);
+  }
+  return ::pow(beta, step);
+}
+
 // Bias corrections in double, like torch computes them in Python. `step` counts this update (>= 1).
+// Note [Bit-identical coefficients].
 DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
   AdamCoeffs c;
   c.grad_sign = h.maximize ? -1.0f : 1.0f;
@@ -45,8 +84,8 @@ DISTOPT_HD AdamCoeffs adam_coeffs(const AdamHyper& h, double lr, double step) {
   c.eps = static_cast<float>(h.eps);
   c.l2 = h.adam_w_mode ? 0.0f : static_cast<float>(h.weight_decay);
   c.decay = h.adam_w_mode ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
-  c.step_size = static_cast<float>(lr / (1.0 - ::pow(h.beta1, step)));
-  c.bc2_sqrt = static_cast<float>(::sqrt(1.0 - ::pow(h.beta2, step)));
+  c.step_size = static_cast<float>(lr / (1.0 - bias_pow(h.beta1, step)));
+  c.bc2_sqrt = static_cast<float>(::sqrt(1.0 - bias_pow(h.beta2, step)));
   return c;
 }
 
