@@ -69,10 +69,11 @@ from op_helpers import (
 pytestmark = pytest.mark.cuda
 
 CUDA = "cuda"
-# kMaxBlocks in csrc/cuda/multi_tensor_apply.cuh: one launch covers at most this many chunks, so a
-# tensor of more chunks continues in the next launch.
-MAX_BLOCKS_PER_LAUNCH = 320
-HUGE = (MAX_BLOCKS_PER_LAUNCH + 1) * CHUNK + 3  # ~21M elements: spans two launches on its own
+# The most chunks one launch covers (csrc/cuda/multi_tensor_apply.cuh: 320 with 4 KiB of metadata, up to
+# 1465 with 32K, at depth 1), so a tensor of more chunks continues in the next launch whichever size the
+# GPU's runtime allows (test_ops_launches.py checks this against the build's constants).
+MAX_BLOCKS_PER_LAUNCH = 1465
+HUGE = (MAX_BLOCKS_PER_LAUNCH + 1) * CHUNK + 3  # ~96M elements: spans two launches on its own
 SLEEP_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s of GPU time, to expose a wrong stream
 
 
@@ -186,7 +187,7 @@ def test_adam_cuda_layouts_bit_identical_to_cpu(param_dtype, grad_dtype, out_dty
 
 @pytest.mark.parametrize("param_dtype,grad_dtype,out_dtype,remainders", LAYOUT_CASES)
 def test_adam_cuda_many_tensors_bit_identical_to_cpu(param_dtype, grad_dtype, out_dtype, remainders):
-    """250 tensors (a launch holds at most 20 at this list depth) of varied sizes: several launches."""
+    """250 tensors of varied sizes: several launches with 4 KiB of metadata (at most 49 tensors each)."""
     cpu = make_adam_state(many_sizes(250), param_dtype, grad_dtype, out_dtype, remainders=remainders)
     check_cuda_matches_cpu(cpu)
 
@@ -224,9 +225,9 @@ def test_adam_capturable_cuda_matches_eager(param_dtype, grad_dtype, out_dtype, 
     """lr and per-tensor steps read on the device (shared and distinct step tensors) give the eager
     op's bits for each step, and match the reference.
 
-    The capturable kernel computes the coefficients in double on the device, the eager op on the
-    host; double pow may differ by an ulp between the two, which changes the fp32 coefficient with
-    probability ~2^-28, so bit-identical results are expected.
+    The capturable kernel computes the coefficients on the device (once per block), the eager op on the
+    host, with the same function of IEEE basic operations only (Note [Bit-identical coefficients] in
+    csrc/math/adam.h): bit-identical by construction.
     """
     state = make_adam_state(CAPTURABLE_SIZES, param_dtype, grad_dtype, out_dtype, remainders=remainders, device=CUDA)
     check_capturable_against_eager_and_reference(
@@ -338,7 +339,7 @@ def test_cast_copy_cuda_skip_writes_nothing(poison):
 
 L2NORM_SIZE_CASES = {
     "edge_and_big": lambda: list(EDGE_SIZES + BIG_SIZES),
-    "250_tensors": lambda: many_sizes(250),  # a launch holds at most 110 tensors of one list
+    "250_tensors": lambda: many_sizes(250),  # a 4 KiB launch holds at most 123 tensors of one list
     "450_tensors": lambda: many_sizes(450, high=500),  # more than one per-tensor reduction launch (399)
     "spanning_launches": lambda: [3, 1000, HUGE, 5],
 }

@@ -1,17 +1,21 @@
 """How the multi-tensor ops split work into CUDA launches, on every backend (tests/backends.py): lists
 that overflow a launch's metadata (tensor slots, blocks) at each kind of boundary, a tensor continuing
-in the next launch, per-list alignments and offsets, empty tensors, the capturable op's step row, and
-l2norm's workspace across its per-tensor launches.
+in the next launch, per-list alignments and offsets, empty tensors, the capturable op's step row,
+l2norm's workspace across its per-tensor launches, and the launch counts for 10,000 tensors.
 
 The sizes come from the launch constants of the build (distopt._C_emulated.constants(), i.e.
-csrc/cuda/multi_tensor_apply.cuh); under "cuda-emulated" the launch log shows the split really
-happened. The CPU kernels have no launches: there these are plain correctness tests. Every op call under
-cuda-emulated and cuda is also checked bit for bit against the CPU kernel (backends.CrossCheck).
+csrc/cuda/multi_tensor_apply.cuh) for the metadata size in use: 4 KiB or 32K (32,764 bytes), which the
+``meta`` fixture selects by setting the emulated CUDA runtime's versions (csrc/cuda/kernel_params.cuh
+decides from them). Under "cuda-emulated" the launch log shows the split really happened. The CPU
+kernels have no launches: there these are plain correctness tests, and on a GPU the real runtime
+decides the size. Every op call under cuda-emulated and cuda is also checked bit for bit against the
+CPU kernel (backends.CrossCheck).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,13 +48,36 @@ from op_helpers import (
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-@pytest.fixture(scope="module")
-def limits() -> dict:
-    """The launch constants of the build (the emulated module reports them)."""
+# What the emulated machine reports for each metadata size: (driver, runtime) CUDA versions.
+RUNTIMES = {"4KiB": (12000, 12000), "32K": (13000, 13000)}
+
+
+def emulated_constants(path: str) -> dict:
+    """The launch constants with the emulated runtime set for ``path`` ("4KiB" or "32K")."""
     try:
-        return load_emulated().constants()
+        emulated = load_emulated()
     except ImportError:
         pytest.skip("distopt._C_emulated (which reports the launch constants) is not built")
+    driver, runtime = RUNTIMES[path]
+    emulated.set_runtime(driver_version=driver, runtime_version=runtime)
+    constants = emulated.constants()
+    assert constants["large_kernel_params"] == (path == "32K")
+    return constants
+
+
+@pytest.fixture(params=list(RUNTIMES))
+def meta(request: pytest.FixtureRequest) -> Iterator[dict]:
+    """The launch constants of one metadata size, selected in the emulator for the test's duration."""
+    yield emulated_constants(request.param)
+    emulated_constants("32K")  # the emulator's initial machine (simt.h)
+
+
+@pytest.fixture
+def small_meta() -> Iterator[dict]:
+    """The 4 KiB metadata's constants, selected in the emulator (for splits whose 32K sizes would take
+    too long to emulate: the launch loop is the same template for both sizes)."""
+    yield emulated_constants("4KiB")
+    emulated_constants("32K")
 
 
 def launch_log(backend: Backend) -> dict[str, list[int]] | None:
@@ -71,11 +98,13 @@ def reset_log(backend: Backend) -> Backend:
     return backend
 
 
-def test_constants_match_the_tests(limits: dict) -> None:
-    """The tests' chunk size (op_helpers.CHUNK, test_ops_cuda.MAX_BLOCKS_PER_LAUNCH) is the build's."""
-    from test_ops_cuda import MAX_BLOCKS_PER_LAUNCH
+def test_constants_match_the_tests(meta: dict) -> None:
+    """The tests' chunk size (op_helpers.CHUNK) is the build's, and test_ops_cuda's HUGE tensor spans
+    launches with either metadata size."""
+    from test_ops_cuda import HUGE
 
-    assert limits["chunk_size"] == CHUNK and limits["max_blocks"] == MAX_BLOCKS_PER_LAUNCH
+    assert meta["chunk_size"] == CHUNK
+    assert math.ceil(HUGE / CHUNK) > max(meta["large"]["blocks"] + meta["small"]["blocks"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -83,12 +112,17 @@ def test_constants_match_the_tests(limits: dict) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def slots_and_blocks(limits: dict, depth: int) -> tuple[int, int]:
+    """(tensor slots, blocks) of one launch at ``depth`` lists per tensor."""
+    return limits["max_tensors_by_depth"][depth - 1], limits["max_blocks_by_depth"][depth - 1]
+
+
 def split_sizes(limits: dict, depth: int) -> dict[str, list[int]]:
     """Lists that end a launch in each way multi_tensor_apply can (depth = lists per tensor)."""
-    slots, blocks = limits["max_tensors_by_depth"][depth - 1], limits["max_blocks"]
+    slots, blocks = slots_and_blocks(limits, depth)
     return {
         # The slots run out at a tensor's last chunk (several times over).
-        "slots_full": [100 + 7 * i for i in range(2 * slots + 3)],
+        "slots_full": [5 + (7 * i) % 300 for i in range(2 * slots + 3)],
         # The blocks run out in the middle of a tensor in slot 2: it continues in slot 0 of the next launch.
         "tensor_continues": [3, 1000, (blocks + 1) * CHUNK + 3, 5],
         # Slots and blocks run out together, at the last chunk of the last slot's tensor.
@@ -96,23 +130,33 @@ def split_sizes(limits: dict, depth: int) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("case", ["slots_full", "tensor_continues", "both_full"])
-def test_l2norm_launch_splits(backend: Backend, limits: dict, reset_log, case: str) -> None:
-    """Norms are right whichever way a launch ends (bf16: the largest list takes ~40 MB)."""
+def check_l2norm_split(backend: Backend, limits: dict, case: str) -> None:
     sizes = split_sizes(limits, 1)[case]
     check_l2norm_against_reference(randn_list(sizes, BF16))
     log = launch_log(backend)
     if log is not None:
         grids = log["l2norm"]
         chunks = sum(math.ceil(n / CHUNK) for n in sizes)
-        assert len(grids) >= 2 and sum(grids) == chunks and max(grids) <= limits["max_blocks"]
+        blocks = slots_and_blocks(limits, 1)[1]
+        assert len(grids) >= 2 and sum(grids) == chunks and max(grids) <= blocks
         if case == "tensor_continues":
-            assert grids[0] == limits["max_blocks"]
+            assert grids[0] == blocks
 
 
-def test_l2norm_tensor_spanning_three_launches(backend: Backend, limits: dict, reset_log) -> None:
+def test_l2norm_slots_full(backend: Backend, meta: dict, reset_log) -> None:
+    """Norms are right when launches end for want of tensor slots, with either metadata size."""
+    check_l2norm_split(backend, meta, "slots_full")
+
+
+@pytest.mark.parametrize("case", ["tensor_continues", "both_full"])
+def test_l2norm_launch_splits(backend: Backend, small_meta: dict, reset_log, case: str) -> None:
+    """Norms are right whichever other way a launch ends (bf16: the largest list takes ~40 MB)."""
+    check_l2norm_split(backend, small_meta, case)
+
+
+def test_l2norm_tensor_spanning_three_launches(backend: Backend, small_meta: dict, reset_log) -> None:
     """A tensor of more than two launches' worth of chunks: it continues from slot 2, then from slot 0."""
-    blocks = limits["max_blocks"]
+    blocks = slots_and_blocks(small_meta, 1)[1]
     sizes = [5, 1000, 2 * blocks * CHUNK + 3, 9]
     check_l2norm_against_reference(randn_list(sizes, FP16))
     log = launch_log(backend)
@@ -121,9 +165,9 @@ def test_l2norm_tensor_spanning_three_launches(backend: Backend, limits: dict, r
 
 
 @pytest.mark.parametrize("case", ["slots_full", "tensor_continues"])
-def test_scale_and_cast_copy_launch_splits(backend: Backend, limits: dict, case: str) -> None:
+def test_scale_and_cast_copy_launch_splits(backend: Backend, small_meta: dict, case: str) -> None:
     """scale_ and cast_copy_ (two lists per tensor) across launch boundaries, bit for bit against torch."""
-    sizes = split_sizes(limits, 2)[case]
+    sizes = split_sizes(small_meta, 2)[case]
     inputs = randn_list(sizes, BF16)
     scaled, copied = randn_list(sizes, BF16), randn_list(sizes, FP16)
     ops.scale_(inputs, scaled, scalar(GRAD_SCALE))
@@ -133,28 +177,31 @@ def test_scale_and_cast_copy_launch_splits(backend: Backend, limits: dict, case:
     assert_each_bits_equal(copied, [x.to(FP16) for x in inputs], "copied")
 
 
-def test_adam_slots_full(backend: Backend, limits: dict, reset_log) -> None:
-    """More tensors than a launch's slots at the Adam update's depth, each step matching the reference."""
-    sizes = split_sizes(limits, 7)["slots_full"]
+def test_adam_slots_full(backend: Backend, meta: dict, reset_log) -> None:
+    """More tensors than a launch's slots at the eager update's depth with param_outs (5 lists), each
+    step matching the reference."""
+    sizes = split_sizes(meta, 5)["slots_full"]
     state = make_adam_state(sizes, FP32, BF16, FP16)
     check_adam_against_reference(state, step=2, grad_scale=scalar(GRAD_SCALE))
     log = launch_log(backend)
     if log is not None:
-        slots = limits["max_tensors_by_depth"][6]
+        slots = slots_and_blocks(meta, 5)[0]
         assert log["adam"] == [slots] * (len(sizes) // slots) + [len(sizes) % slots]
 
 
-def test_adam_tensor_continues_in_next_launch(backend: Backend, limits: dict, reset_log) -> None:
+def test_adam_tensor_continues_in_next_launch(backend: Backend, small_meta: dict, reset_log) -> None:
     """A ~21M-element tensor starting in slot 2 continues in the next launch: the update is right (on
     cuda-emulated and cuda: bit for bit against the CPU kernel; the float64 reference would take GBs)."""
-    sizes = split_sizes(limits, 7)["tensor_continues"]
+    limits = small_meta
+    sizes = split_sizes(limits, 5)["tensor_continues"]
     state = make_adam_state(sizes, BF16, BF16, remainders=True)
     before = [p.clone() for p in state.params]
     run_adam(state, step=3, grad_scale=scalar(GRAD_SCALE))
     assert all(not torch.equal(b, p) for b, p in zip(before, state.params))
     log = launch_log(backend)
     if log is not None:
-        assert log["adam"] == [limits["max_blocks"], sum(math.ceil(n / CHUNK) for n in sizes) - limits["max_blocks"]]
+        blocks = slots_and_blocks(limits, 5)[1]
+        assert log["adam"] == [blocks, sum(math.ceil(n / CHUNK) for n in sizes) - blocks]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -216,7 +263,7 @@ def test_l2norm_and_scale_mixed_alignment_within_a_list(backend: Backend, dtype:
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_empty_tensors_launch_nothing(backend: Backend, reset_log) -> None:
+def test_empty_tensors_launch_nothing(backend: Backend, meta: dict, reset_log) -> None:
     """Lists of only empty tensors are no-ops (no launch at all for adam and scale; l2norm gives zeros),
     and empty tensors between others are skipped at launch boundaries."""
     empty = make_adam_state([0, 0, 0], FP32, FP16, BF16)
@@ -226,18 +273,22 @@ def test_empty_tensors_launch_nothing(backend: Backend, reset_log) -> None:
     assert total.item() == 0.0 and per_tensor.tolist() == [0.0, 0.0, 0.0]
     log = launch_log(backend)
     assert log is None or ("adam" not in log and "scale" not in log and "l2norm" not in log), log
-    sizes = [0] + [5, 0, 0, 300] * 12 + [0]  # 24 non-empty tensors: past the 20 slots of an adam launch
+    slots = slots_and_blocks(meta, 6)[0]  # params, grads, moments, param_outs, remainders
+    repeats = slots // 2 + 2  # 2 * repeats non-empty tensors: 4 past the slots of a launch
+    sizes = [0] + [5, 0, 0, 300] * repeats + [0]
     state = make_adam_state(sizes, BF16, FP32, FP16, remainders=True)
     check_adam_against_reference(state, step=2)
     log = launch_log(backend)
-    assert log is None or log["adam"] == [20, 4], log
+    assert log is None or log["adam"] == [slots, 2 * repeats - slots], log
 
 
-def test_adam_capturable_steps_across_launches(backend: Backend, limits: dict) -> None:
-    """The capturable op's per-tensor step row travels with its tensor across launches: 45 tensors
-    (three launches at depth 7), each with its own step tensor, one of them three chunks long."""
-    sizes = [100 + i for i in range(45)]
-    sizes[21] = 2 * CHUNK + 1
+def test_adam_capturable_steps_across_launches(backend: Backend, meta: dict, reset_log) -> None:
+    """The capturable op's per-tensor step row travels with its tensor across launches: three launches'
+    worth of tensors at its depth (params, grads, moments, param_outs, steps: 6), each with its own
+    step tensor, one of them three chunks long."""
+    slots = slots_and_blocks(meta, 6)[0]
+    sizes = [5 + i % 200 for i in range(2 * slots + 5)]
+    sizes[slots + 1] = 2 * CHUNK + 1
     state = make_adam_state(sizes, FP32, BF16, BF16)
     expected, before = state.clone(), state.clone()
     steps = [scalar(float(1 + i % 9)) for i in range(len(sizes))]
@@ -246,9 +297,13 @@ def test_adam_capturable_steps_across_launches(backend: Backend, limits: dict) -
     run_reference_adam_capturable(expected, lr=lr, steps=steps, grad_scale=scalar(GRAD_SCALE))
     assert_adam_close(state, expected)
     assert_params_moved(before, state)
+    log = launch_log(backend)
+    if log is not None:
+        grids, blocks = log["adam"], slots_and_blocks(meta, 6)[1]
+        assert len(grids) == 3 and sum(grids) == len(sizes) + 2 and max(grids) <= blocks, grids
 
 
-def test_l2norm_workspace_across_per_tensor_launches(backend: Backend, reset_log) -> None:
+def test_l2norm_workspace_across_per_tensor_launches(backend: Backend, small_meta: dict, reset_log) -> None:
     """More tensors than one per-tensor reduction launch takes (399): the chunk slots of the second
     launch's tensors are found in the workspace, multi-chunk tensors straddling the boundary included."""
     sizes = torch.randint(1, 500, (450,)).tolist()
@@ -261,3 +316,65 @@ def test_l2norm_workspace_across_per_tensor_launches(backend: Backend, reset_log
         assert log["l2norm per-tensor"] == [399, 51], log
     lone = ops.l2norm([tensors[399]])  # its slots come first in a workspace of its own
     assert_bits_equal(lone[1][0], per_tensor[399], "per_tensor[399] alone vs in the list")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch counts for 10,000 tensors (issue 10, item 4)
+# ----------------------------------------------------------------------------------------------------
+
+TENSORS = 10_000
+# Launches for 10,000 one-chunk tensors: (Adam eager fp32, Adam eager fp32 + bf16 grads + bf16
+# param_outs, Adam capturable fp32, l2norm's three kernels, scale_). Before the large metadata and the
+# per-variant depth every Adam variant took 500 launches, l2norm 91 + 26 + 1 and scale_ 157.
+EXPECTED_LAUNCHES = {
+    "4KiB": {"adam": 205, "adam mixed": 244, "adam capturable": 244, "l2norm": (82, 26, 1), "scale": 122},
+    "32K": {"adam": 15, "adam mixed": 17, "adam capturable": 17, "l2norm": (7, 3, 1), "scale": 10},
+}
+H100_WAVE = 132 * 2  # resident 512-thread blocks of the Adam kernel (64 registers: two per SM)
+
+
+def launches_of(backend: Backend, run) -> dict[str, list[int]]:
+    """Kernel name -> grid sizes of the launches ``run()`` makes."""
+    launch_log(backend)
+    run()
+    return launch_log(backend)
+
+
+def expected_launches(backend: Backend, meta: dict) -> dict:
+    if backend.name != "cuda-emulated":
+        pytest.skip("launches are counted by the emulator")
+    return EXPECTED_LAUNCHES["32K" if meta["large_kernel_params"] else "4KiB"]
+
+
+def test_adam_launch_counts_for_10000_tensors(backend: Backend, meta: dict) -> None:
+    """10,000 tensors of 4,096 elements: the Adam update's launches with either metadata size.
+
+    The tensors here have 7 elements: a launch's tensors and blocks depend only on each tensor's chunk
+    count, which is 1 for any size up to 65,536, so 4,096-element tensors give the same counts (tensors
+    of k chunks need k times the blocks, and more launches where the blocks run out first). With 32K
+    metadata every launch but the last carries at least one full H100 wave of blocks."""
+    expected = expected_launches(backend, meta)
+    sizes = [7] * TENSORS
+    fp32 = make_adam_state(sizes, FP32, FP32)
+    adam = launches_of(backend, lambda: run_adam(fp32, step=3))["adam"]
+    assert len(adam) == expected["adam"] == math.ceil(TENSORS / slots_and_blocks(meta, 4)[0])
+    mixed = make_adam_state(sizes, FP32, BF16, BF16)
+    assert len(launches_of(backend, lambda: run_adam(mixed, step=3))["adam"]) == expected["adam mixed"]
+    steps = [scalar(3.0)] * TENSORS
+    capturable = launches_of(backend, lambda: run_adam_capturable(fp32, lr=scalar(HYPER["lr"]), steps=steps))
+    assert len(capturable["adam"]) == expected["adam capturable"] == math.ceil(TENSORS / slots_and_blocks(meta, 5)[0])
+    if meta["large_kernel_params"]:
+        assert min(adam[:-1] + capturable["adam"][:-1]) >= H100_WAVE
+
+
+def test_l2norm_and_scale_launch_counts_for_10000_tensors(backend: Backend, meta: dict) -> None:
+    """10,000 one-chunk tensors: l2norm's launches (chunk sums, per-tensor sums, total) and scale_'s, with
+    either metadata size (the emulated block reductions make this the slowest test here, ~10 s each)."""
+    expected = expected_launches(backend, meta)
+    sizes = [7] * TENSORS
+    tensors = randn_list(sizes, FP32)
+    norm = launches_of(backend, lambda: ops.l2norm(tensors))
+    assert tuple(len(norm[k]) for k in ("l2norm", "l2norm per-tensor", "l2norm total")) == expected["l2norm"]
+    outputs = randn_list(sizes, BF16)
+    scale = launches_of(backend, lambda: ops.scale_(tensors, outputs, scalar(GRAD_SCALE)))["scale"]
+    assert len(scale) == expected["scale"]

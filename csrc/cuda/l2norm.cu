@@ -18,11 +18,13 @@ namespace {
 
 using namespace cuda;
 
+int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+
 template <typename T>
 struct L2NormOp {
-  using Meta = TensorListMetadata<1>;
   static constexpr int N = vec_elems<T>();
 
+  template <typename Meta>
   __device__ void operator()(const Meta& meta, float* chunk_sq, float* found_inf) const {
     const BlockChunk<Meta> ch(meta);
     const T* x = ch.template ptr<const T>(meta, 0);
@@ -60,17 +62,20 @@ struct L2NormOp {
   }
 };
 
-// Slots of up to kCleanupTensors tensors per launch (kernel argument, see the Note in
-// multi_tensor_apply.cuh).
-constexpr int kCleanupTensors = 400;
+// Chunk-slot ranges of up to kTensors - 1 tensors per launch (kernel argument, see the Note in
+// multi_tensor_apply.cuh): 399 with 4 KiB of parameters, 3999 with 32 KiB.
+template <bool kLarge>
 struct CleanupMeta {
-  int64_t first_slot[kCleanupTensors];
+  static constexpr int kTensors = kLarge ? 4000 : 400;
+  int64_t first_slot[kTensors];
   int32_t first_tensor;
 };
-static_assert(sizeof(CleanupMeta) <= kMaxKernelArgBytes - 512);
+static_assert(sizeof(CleanupMeta<false>) <= kSmallKernelParamBytes - kOpArgBytes);
+static_assert(sizeof(CleanupMeta<true>) <= kLargeKernelParamBytes - kOpArgBytes);
 
+template <typename Meta>
 __global__ void __launch_bounds__(kBlockSize)
-    l2norm_per_tensor(const CleanupMeta meta, const float* chunk_sq, float* tensor_sq, float* per_tensor) {
+    l2norm_per_tensor(grid_const<Meta> meta, const float* chunk_sq, float* tensor_sq, float* per_tensor) {
   const int t = blockIdx.x;
   const int64_t begin = meta.first_slot[t];
   const int64_t end = meta.first_slot[t + 1];
@@ -83,6 +88,26 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
+// Pass 2: the per-tensor sums, kTensors - 1 tensors per launch.
+template <bool kLarge>
+void l2norm_cleanup(const TensorLists& tl, float* workspace, float* tensor_sq, float* per_tensor, cudaStream_t s) {
+  using Meta = CleanupMeta<kLarge>;
+  const int64_t n = tl.size();
+  int64_t slot = 0;
+  for (int64_t first = 0; first < n; first += Meta::kTensors - 1) {
+    const int64_t count = std::min<int64_t>(Meta::kTensors - 1, n - first);
+    Meta meta;
+    meta.first_tensor = static_cast<int32_t>(first);
+    for (int64_t t = 0; t < count; ++t) {
+      meta.first_slot[t] = slot;
+      slot += num_chunks(tl.numel[first + t]);
+    }
+    meta.first_slot[count] = slot;
+    launch_kernel("l2norm per-tensor", l2norm_per_tensor<Meta>, static_cast<unsigned>(count), kBlockSize, 0, s, meta,
+                  workspace, tensor_sq, per_tensor);
+  }
+}
+
 __global__ void __launch_bounds__(kBlockSize)
     l2norm_total(const float* tensor_sq, int64_t n, float* total) {
   double s = 0.0;
@@ -90,8 +115,6 @@ __global__ void __launch_bounds__(kBlockSize)
   s = block_sum(s);
   if (threadIdx.x == 0) *total = static_cast<float>(::sqrt(s));
 }
-
-int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
 
 }  // namespace
 
@@ -113,18 +136,13 @@ void l2norm_cuda(const TensorLists& tl, float* total, float* per_tensor, float* 
 
   const int64_t n = tl.size();
   float* tensor_sq = workspace + (l2norm_cuda_workspace_floats(tl) - n);
-  int64_t slot = 0;
-  for (int64_t first = 0; first < n; first += kCleanupTensors - 1) {
-    const int64_t count = std::min<int64_t>(kCleanupTensors - 1, n - first);
-    CleanupMeta meta;
-    meta.first_tensor = static_cast<int32_t>(first);
-    for (int64_t t = 0; t < count; ++t) {
-      meta.first_slot[t] = slot;
-      slot += num_chunks(tl.numel[first + t]);
-    }
-    meta.first_slot[count] = slot;
-    launch_kernel("l2norm per-tensor", l2norm_per_tensor, static_cast<unsigned>(count), kBlockSize, 0, s, meta,
-                  workspace, tensor_sq, per_tensor);
+#if DISTOPT_LARGE_KERNEL_PARAMS_BUILT
+  if (large_kernel_params()) {
+    l2norm_cleanup<true>(tl, workspace, tensor_sq, per_tensor, s);
+  } else
+#endif
+  {
+    l2norm_cleanup<false>(tl, workspace, tensor_sq, per_tensor, s);
   }
   launch_kernel("l2norm total", l2norm_total, 1, kBlockSize, 0, s, tensor_sq, n, total);
 }

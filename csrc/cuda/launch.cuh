@@ -12,6 +12,19 @@
 
 namespace distopt::cuda {
 
+// The type of a large by-value kernel parameter (the launch metadata): `const T` on the GPU, where
+// parameters sit in the constant bank and are read in place; a const reference to the launch's one
+// copy under the emulator, where each of a block's threads would otherwise copy up to 32 KiB onto its
+// fiber stack (10,000 one-chunk tensors: 160 GB of copies). The parameter size the emulator checks is
+// the value's either way.
+#if defined(DISTOPT_SIMT_EMULATION)
+template <typename T>
+using grid_const = const T&;
+#else
+template <typename T>
+using grid_const = const T;
+#endif
+
 // Throws if the last launch failed (kernels run asynchronously: later faults surface elsewhere).
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();

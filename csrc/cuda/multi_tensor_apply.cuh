@@ -1,22 +1,35 @@
 // Chunked multi-tensor launch: one CUDA block per 64K-element chunk of any tensor in the lists.
 //
 // Note [Multi-tensor launch metadata]
-// A launch covers up to kMaxBlocks chunks drawn from up to kMaxTensors(depth) tensors. Their
-// addresses, sizes and the block -> (tensor, chunk) map travel in one struct passed by value as a
-// kernel argument: reading it costs nothing (it lives in the constant bank) and needs no
-// host-to-device copy, so launches stay legal inside CUDA-graph capture. Kernel arguments were
-// limited to 4 KiB before CUDA 12.1 (and still are on older drivers), so every metadata struct is
-// sized to fit in 4 KiB with room for the op's own arguments (static_assert below). Deeper lists
-// (more pointers per tensor) leave room for fewer tensors. A tensor whose chunks do not all fit
-// continues in the next launch, so any number of tensors and chunks is handled; the block map
-// uses 8-bit tensor slots and 32-bit chunk indices, element offsets are 64-bit.
+// A launch covers up to kMaxBlocks chunks drawn from up to kMaxTensors tensors. Their addresses, sizes
+// and the block -> (tensor, chunk) map travel in one struct passed by value as a kernel argument:
+// reading it costs nothing (it lives in the constant bank) and needs no host-to-device copy, so
+// launches stay legal inside CUDA-graph capture. Each op passes only the lists it reads (its depth:
+// the fp32 eager Adam update has 4, the capturable one adds a step row), so shallower variants fit
+// more tensors in the same bytes. A tensor whose chunks do not all fit continues in the next launch,
+// so any number of tensors and chunks is handled; chunk indices are 32-bit, element offsets 64-bit.
+//
+// Two sizes of metadata (kernel_params.cuh decides which, once per process):
+//   * 4 KiB, the kernel-argument limit before CUDA 12.1 (and on older drivers or pre-Volta GPUs):
+//     320 blocks and 8-bit tensor slots, e.g. 36 tensors at depth 4.
+//   * 32,764 bytes (CUDA >= 12.1 runtime and driver, compute capability >= 7.0): 16-bit slots and as
+//     many block entries as tensor slots, so many one-chunk tensors fill both at once. At depth 4
+//     (fp32 eager Adam) a launch holds 700 tensors: 10,000 tensors of 4,096 elements take 15 launches
+//     instead of 500, each of 700 blocks, more than one full wave (132 SMs x 2 resident 512-thread
+//     blocks = 264 on an H100), so no launch leaves SMs idle for lack of blocks. For large tensors a
+//     launch is then 460-1465 blocks (depth 7 to 1): at least 1.7 waves, where 320 blocks took two
+//     waves to do 1.2 waves of work.
+// Both leave kOpArgBytes for the op's own arguments (static_assert below, and tools/gpu_budgets.py
+// checks every instantiation's parameter size against its path's limit).
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/types.h"
+#include "kernel_params.cuh"
 #include "launch.cuh"
 
 namespace distopt::cuda {
@@ -26,27 +39,53 @@ constexpr int kBlockSize = 512;
 // 65536 / (kBlockSize * kMinBlocksPerSM) = 64 per thread, so two blocks overlap their memory traffic.
 constexpr int kMinBlocksPerSM = 2;
 constexpr int64_t kChunkSize = 65536;
-constexpr int kMaxBlocks = 320;
-constexpr int kMaxKernelArgBytes = 4096;
-constexpr int kMaxTensorsByDepth[] = {110, 64, 48, 36, 30, 24, 20};
+constexpr int kMaxDepth = 7;
+constexpr int kOpArgBytes = 512;  // room left in the kernel parameters for the op's own arguments
 
-template <int Depth>
+// Launch limits of one metadata size and depth.
+struct MetaLimits {
+  int tensors;
+  int blocks;
+};
+
+// 4 KiB: 320 blocks (8-bit slot + 32-bit chunk each), the rest for tensor slots (depth pointers and a
+// 64-bit size each) after the 8-byte first_block.
+constexpr MetaLimits small_limits(int depth) {
+  constexpr int blocks = 320;
+  return {(kSmallKernelParamBytes - kOpArgBytes - 8 - blocks * 5) / (8 * depth + 8), blocks};
+}
+
+// 32,764 bytes: as many block entries (16-bit slot + 32-bit chunk) as tensor slots.
+constexpr MetaLimits large_limits(int depth) {
+  const int n = (kLargeKernelParamBytes - kOpArgBytes - 8) / (8 * depth + 8 + 6);
+  return {n, n};
+}
+
+template <int Depth, bool kLarge>
 struct TensorListMetadata {
-  static constexpr int kMaxTensors = kMaxTensorsByDepth[Depth - 1];
-  static_assert(kMaxTensors <= 256, "block_to_tensor holds 8-bit tensor slots");
+  static_assert(Depth >= 1 && Depth <= kMaxDepth);
+  static constexpr MetaLimits kLimits = kLarge ? large_limits(Depth) : small_limits(Depth);
+  static constexpr int kMaxTensors = kLimits.tensors;
+  static constexpr int kMaxBlocks = kLimits.blocks;
+  using Slot = std::conditional_t<kLarge, uint16_t, uint8_t>;
+  static_assert(kMaxTensors <= (1 << (8 * sizeof(Slot))), "block_to_tensor's slots must hold every slot index");
 
   void* addresses[Depth][kMaxTensors];  // nullptr: the list has no entry for this tensor
   int64_t numel[kMaxTensors];
-  uint8_t block_to_tensor[kMaxBlocks];
+  Slot block_to_tensor[kMaxBlocks];
   int32_t block_to_chunk[kMaxBlocks];
   // Blocks launched before this launch; first_block + blockIdx.x numbers every chunk of the lists
   // in order (tensor by tensor), which ops use as an output slot.
   int64_t first_block;
 };
 
-// Leave 512 bytes for the op's own arguments.
-static_assert(sizeof(TensorListMetadata<1>) <= kMaxKernelArgBytes - 512);
-static_assert(sizeof(TensorListMetadata<7>) <= kMaxKernelArgBytes - 512);
+template <int Depth>
+constexpr bool fits_its_limit() {
+  return sizeof(TensorListMetadata<Depth, false>) <= kSmallKernelParamBytes - kOpArgBytes &&
+         sizeof(TensorListMetadata<Depth, true>) <= kLargeKernelParamBytes - kOpArgBytes;
+}
+static_assert(fits_its_limit<1>() && fits_its_limit<2>() && fits_its_limit<3>() && fits_its_limit<4>() &&
+              fits_its_limit<5>() && fits_its_limit<6>() && fits_its_limit<7>());
 
 // Chunk (tensor slot, chunk index, element range) of the calling block.
 template <typename Meta>
@@ -72,17 +111,18 @@ struct BlockChunk {
 
 template <typename Meta, typename Op, typename... Args>
 __global__ void __launch_bounds__(kBlockSize, kMinBlocksPerSM)
-    multi_tensor_kernel(const Meta meta, Op op, Args... args) {
+    multi_tensor_kernel(grid_const<Meta> meta, Op op, Args... args) {
   op(meta, args...);
 }
 
-// Calls `op(meta, args...)` in one block per chunk of every non-empty tensor. `rows[d]` is the d-th
-// list's pointer per tensor (nullptr or an empty vector: absent), `numel` the element counts.
-template <int Depth, typename Op, typename... Args>
-void multi_tensor_apply(const std::array<const std::vector<void*>*, Depth>& rows,
-                        const std::vector<int64_t>& numel, cudaStream_t stream, const char* what,
-                        Op op, Args... args) {
-  using Meta = TensorListMetadata<Depth>;
+// Calls `op(meta, args...)` in one block per chunk of every non-empty tensor, with metadata of the
+// given size (see multi_tensor_apply).
+template <int Depth, bool kLarge, typename Op, typename... Args>
+void multi_tensor_apply_sized(const std::array<const std::vector<void*>*, Depth>& rows,
+                              const std::vector<int64_t>& numel, cudaStream_t stream, const char* what, Op op,
+                              Args... args) {
+  using Meta = TensorListMetadata<Depth, kLarge>;
+  using Slot = typename Meta::Slot;
   Meta meta;
   meta.first_block = 0;
   int slot = 0;    // tensor slot being filled
@@ -105,12 +145,12 @@ void multi_tensor_apply(const std::array<const std::vector<void*>*, Depth>& rows
     const int64_t chunks = (numel[t] + kChunkSize - 1) / kChunkSize;
     bool slot_reused = false;
     for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_to_tensor[blocks] = static_cast<uint8_t>(slot);
+      meta.block_to_tensor[blocks] = static_cast<Slot>(slot);
       meta.block_to_chunk[blocks] = static_cast<int32_t>(c);
       ++blocks;
       const bool last_chunk = c == chunks - 1;
       const bool tensors_full = last_chunk && slot == Meta::kMaxTensors - 1;
-      if (blocks == kMaxBlocks || tensors_full) {
+      if (blocks == Meta::kMaxBlocks || tensors_full) {
         launch();
         if (last_chunk) {
           slot = 0;
@@ -125,6 +165,23 @@ void multi_tensor_apply(const std::array<const std::vector<void*>*, Depth>& rows
     if (!slot_reused) ++slot;
   }
   if (blocks > 0) launch();
+}
+
+// multi_tensor_apply_sized with the metadata size this process supports (kernel_params.cuh). `rows[d]`
+// is the d-th list's pointer per tensor (nullptr or an empty vector: absent), `numel` the element
+// counts; `op` is the per-block functor, with a `template <typename Meta> operator()(const Meta&,
+// args...)` for either metadata type.
+template <int Depth, typename Op, typename... Args>
+void multi_tensor_apply(const std::array<const std::vector<void*>*, Depth>& rows,
+                        const std::vector<int64_t>& numel, cudaStream_t stream, const char* what, Op op,
+                        Args... args) {
+#if DISTOPT_LARGE_KERNEL_PARAMS_BUILT
+  if (large_kernel_params()) {
+    multi_tensor_apply_sized<Depth, true>(rows, numel, stream, what, op, args...);
+    return;
+  }
+#endif
+  multi_tensor_apply_sized<Depth, false>(rows, numel, stream, what, op, args...);
 }
 
 }  // namespace distopt::cuda

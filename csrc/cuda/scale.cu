@@ -13,7 +13,6 @@ using namespace cuda;
 
 template <typename I, typename O>
 struct ScaleOp {
-  using Meta = TensorListMetadata<2>;
   static constexpr int N = vec_elems<I, O>();
 
   __device__ static O convert(I x, float scale, bool scaled, bool& nonfinite) {
@@ -23,6 +22,7 @@ struct ScaleOp {
     return o;
   }
 
+  template <typename Meta>
   __device__ void operator()(const Meta& meta, ScaleArgs a) const {
     if (a.skip_if != nullptr && *a.skip_if != 0.0f) return;
     const BlockChunk<Meta> ch(meta);

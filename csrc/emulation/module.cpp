@@ -47,16 +47,59 @@ PyObject* set_seed(PyObject*, PyObject* arg) {
 
 PyObject* seed(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(simt::seed()); }
 
+// {"tensors": (by depth 1..7), "blocks": (by depth)} of one metadata size.
+template <bool kLarge>
+PyObject* limits_dict() {
+  using namespace distopt::cuda;
+  PyObject* tensors = PyTuple_New(kMaxDepth);
+  PyObject* blocks = PyTuple_New(kMaxDepth);
+  if (tensors == nullptr || blocks == nullptr) {
+    Py_XDECREF(tensors);
+    Py_XDECREF(blocks);
+    return nullptr;
+  }
+  for (int d = 1; d <= kMaxDepth; ++d) {
+    const MetaLimits l = kLarge ? large_limits(d) : small_limits(d);
+    PyTuple_SET_ITEM(tensors, d - 1, PyLong_FromLong(l.tensors));
+    PyTuple_SET_ITEM(blocks, d - 1, PyLong_FromLong(l.blocks));
+  }
+  return Py_BuildValue("{s:N,s:N}", "tensors", tensors, "blocks", blocks);
+}
+
+// The launch constants, and the metadata limits of the path the emulated runtime selects now.
 PyObject* constants(PyObject*, PyObject*) {
   using namespace distopt::cuda;
-  PyObject* by_depth = PyTuple_New(std::size(kMaxTensorsByDepth));
-  if (by_depth == nullptr) return nullptr;
-  for (size_t i = 0; i < std::size(kMaxTensorsByDepth); ++i) {
-    PyTuple_SET_ITEM(by_depth, static_cast<Py_ssize_t>(i), PyLong_FromLong(kMaxTensorsByDepth[i]));
+  const bool large = large_kernel_params();
+  PyObject* active = large ? limits_dict<true>() : limits_dict<false>();
+  if (active == nullptr) return nullptr;
+  PyObject* by_depth = PyDict_GetItemString(active, "tensors");
+  PyObject* blocks = PyDict_GetItemString(active, "blocks");
+  PyObject* out = Py_BuildValue("{s:i,s:L,s:O,s:i,s:O,s:O,s:N,s:N}", "block_size", kBlockSize, "chunk_size",
+                                static_cast<long long>(kChunkSize), "large_kernel_params", large ? Py_True : Py_False,
+                                "max_kernel_arg_bytes", large ? kLargeKernelParamBytes : kSmallKernelParamBytes,
+                                "max_tensors_by_depth", by_depth, "max_blocks_by_depth", blocks, "small",
+                                limits_dict<false>(), "large", limits_dict<true>());
+  Py_DECREF(active);
+  return out;
+}
+
+PyObject* runtime(PyObject*, PyObject*) {
+  const simt::Runtime r = simt::runtime();
+  return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:n}", "driver_version", r.driver_version, "runtime_version",
+                       r.runtime_version, "cc_major", r.cc_major, "cc_minor", r.cc_minor, "multiprocessors",
+                       r.multiprocessors, "max_param_bytes", static_cast<Py_ssize_t>(simt::max_param_bytes()));
+}
+
+PyObject* set_runtime(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* keywords[] = {"driver_version", "runtime_version", "cc_major", "cc_minor", "multiprocessors",
+                                   nullptr};
+  simt::Runtime r = simt::runtime();
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iiiii", const_cast<char**>(keywords), &r.driver_version,
+                                   &r.runtime_version, &r.cc_major, &r.cc_minor, &r.multiprocessors)) {
+    return nullptr;
   }
-  return Py_BuildValue("{s:i,s:L,s:i,s:i,s:N}", "block_size", kBlockSize, "chunk_size",
-                       static_cast<long long>(kChunkSize), "max_blocks", kMaxBlocks, "max_kernel_arg_bytes",
-                       kMaxKernelArgBytes, "max_tensors_by_depth", by_depth);
+  simt::set_runtime(r);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef methods[] = {
@@ -66,6 +109,9 @@ PyMethodDef methods[] = {
     {"set_seed", set_seed, METH_O, "Seeds the scheduler (0: threads in order, no preemption)."},
     {"seed", seed, METH_NOARGS, "The scheduler's seed ($DISTOPT_SIMT_SEED, else 1, until set_seed)."},
     {"constants", constants, METH_NOARGS, "The launch constants of csrc/cuda/multi_tensor_apply.cuh."},
+    {"runtime", runtime, METH_NOARGS, "The emulated machine: versions, compute capability, parameter limit."},
+    {"set_runtime", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_runtime)),
+     METH_VARARGS | METH_KEYWORDS, "Sets what the emulated machine reports (keywords as runtime() returns)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C_emulated", nullptr, -1, methods,

@@ -17,12 +17,13 @@ Counters counters;
 namespace {
 
 constexpr uint64_t kLivelockAccesses = uint64_t{1} << 30;
-constexpr size_t kMaxParamBytes = 4096;  // CUDA < 12.1 (Note [Multi-tensor launch metadata])
 constexpr size_t kMaxLogged = 100000;
 
 std::atomic<uint64_t> g_seed{0};
 std::atomic<bool> g_seed_set{false};
 std::atomic<uint64_t> g_launches_since_seed{0};
+std::mutex g_runtime_mutex;  // a 20-byte struct: std::atomic of it would need libatomic
+Runtime g_runtime{13000, 13000, 9, 0, 132};
 std::mutex g_log_mutex;
 std::vector<LaunchRecord> g_log;
 
@@ -193,9 +194,12 @@ SIMT_NOSAN void check_config(Emu* e, const LaunchInfo& info) {
   else if (g.x > 0x7fffffffu || g.y > 65535 || g.z > 65535) problem = "grid " + dims(g) + " exceeds the limits";
   else if (threads == 0 || threads > 1024 || b.z > 64) problem = "block " + dims(b) + ": 1-1024 threads, z <= 64";
   else if (info.dynamic_shared_bytes != 0) problem = "dynamic shared memory is not emulated";
-  else if (info.param_bytes > kMaxParamBytes) {
+  else if (info.param_bytes > max_param_bytes()) {
+    const Runtime r = runtime();
     problem = "the kernel parameters take " + std::to_string(info.param_bytes) + " bytes, more than " +
-              std::to_string(kMaxParamBytes) + " (CUDA before 12.1)";
+              std::to_string(max_param_bytes()) + " (emulated driver " + std::to_string(r.driver_version) +
+              ", runtime " + std::to_string(r.runtime_version) + ", compute capability " +
+              std::to_string(r.cc_major) + "." + std::to_string(r.cc_minor) + ")";
   }
   if (!problem.empty()) fail(e, "invalid launch", problem);
 }
@@ -322,6 +326,22 @@ SIMT_NOSAN uint64_t seed() {
   return g_seed.load();
 }
 
+SIMT_NOSAN void set_runtime(const Runtime& r) {
+  std::lock_guard<std::mutex> lock(g_runtime_mutex);
+  g_runtime = r;
+}
+
+SIMT_NOSAN Runtime runtime() {
+  std::lock_guard<std::mutex> lock(g_runtime_mutex);
+  return g_runtime;
+}
+
+SIMT_NOSAN size_t max_param_bytes() {
+  const Runtime r = runtime();
+  const bool large = r.driver_version >= 12010 && r.runtime_version >= 12010 && r.cc_major >= 7;
+  return large ? 32764 : 4096;
+}
+
 SIMT_NOSAN Stats stats() {
   return Stats{counters.launches.load(), counters.blocks.load(), counters.threads.load(),
                counters.barriers.load(), counters.warp_collectives.load(), counters.shared_accesses.load()};
@@ -393,6 +413,36 @@ SIMT_NOSAN void launch(const LaunchInfo& info, ThreadBody body, void* ctx) {
 }
 
 }  // namespace simt
+
+// ---- Version and device queries ------------------------------------------------------------------
+SIMT_NOSAN cudaError_t cudaDriverGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = simt::runtime().driver_version;
+  return cudaSuccess;
+}
+
+SIMT_NOSAN cudaError_t cudaRuntimeGetVersion(int* version) {
+  if (version == nullptr) return cudaErrorInvalidValue;
+  *version = simt::runtime().runtime_version;
+  return cudaSuccess;
+}
+
+SIMT_NOSAN cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return cudaErrorInvalidValue;
+  *device = 0;
+  return cudaSuccess;
+}
+
+SIMT_NOSAN cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (value == nullptr || device != 0) return cudaErrorInvalidValue;
+  const simt::Runtime r = simt::runtime();
+  switch (attr) {
+    case cudaDevAttrComputeCapabilityMajor: *value = r.cc_major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = r.cc_minor; return cudaSuccess;
+    case cudaDevAttrMultiProcessorCount: *value = r.multiprocessors; return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
 
 // ---- Error API -----------------------------------------------------------------------------------
 // Launch errors are thrown (simt::Error), so there is never a pending error to report.

@@ -10,7 +10,8 @@
 //   * shared-memory races: two threads touching one __shared__ byte between the same two barriers,
 //     at least one writing, and reads of __shared__ bytes no thread of the block has written;
 //   * misaligned accesses, among them the 16-byte vector loads/stores of vec.cuh (a GPU faults);
-//   * launch configurations a GPU rejects (empty grid, > 1024 threads, > 4 KiB of kernel parameters).
+//   * launch configurations a GPU rejects (empty grid, > 1024 threads, kernel parameters over the
+//     limit of the emulated runtime: 4 KiB, or 32,764 bytes with CUDA >= 12.1 on Volta and later).
 //
 // How: the emulated build compiles every source with -fsanitize=thread and -fsanitize=alignment but
 // links no sanitizer runtime; simt.cpp implements the hooks those flags call (__tsan_read4, ...,
@@ -99,10 +100,17 @@ enum cudaError_t : int {
   cudaErrorLaunchFailure = 719,
 };
 using cudaStream_t = struct CUstream_st*;
+enum cudaDeviceAttr : int { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75,
+                            cudaDevAttrComputeCapabilityMinor = 76 };
 
 SIMT_API cudaError_t cudaGetLastError();
 SIMT_API cudaError_t cudaPeekAtLastError();
 SIMT_API const char* cudaGetErrorString(cudaError_t err);
+// The emulated machine's versions and device (simt::set_runtime), one device: 0.
+SIMT_API cudaError_t cudaDriverGetVersion(int* version);
+SIMT_API cudaError_t cudaRuntimeGetVersion(int* version);
+SIMT_API cudaError_t cudaGetDevice(int* device);
+SIMT_API cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }  // launches run synchronously
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 
@@ -178,7 +186,8 @@ constexpr size_t param_bytes() {
   return offset;
 }
 
-// Calls the kernel with by-value copies of the parameters. The copies are not instrumented: on a GPU
+// Calls the kernel with by-value copies of the parameters (a grid_const parameter, launch.cuh, binds
+// to the launch's one copy instead). The copies are not instrumented: on a GPU
 // parameters live in the constant bank, and a 3 KiB metadata struct seen by the hooks per thread
 // would dominate the run time.
 template <typename Kernel, typename Params, size_t... I>
@@ -212,6 +221,18 @@ void launch_kernel(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 b
 // The scheduler's seed (initially $DISTOPT_SIMT_SEED, else 1); 0: threads in order, no preemption.
 SIMT_API void set_seed(uint64_t seed);
 SIMT_API uint64_t seed();
+
+// The machine the emulator stands for: what cudaDriverGetVersion, cudaRuntimeGetVersion and
+// cudaDeviceGetAttribute report, and so the kernel-parameter limit launches are checked against.
+// Initially an H100 (9.0, 132 SMs) with CUDA 13.0.
+struct Runtime {
+  int driver_version, runtime_version;  // 1000 * major + 10 * minor, as CUDA reports them
+  int cc_major, cc_minor, multiprocessors;
+};
+SIMT_API void set_runtime(const Runtime& runtime);
+SIMT_API Runtime runtime();
+// 32,764 with runtime and driver >= 12.1 on compute capability >= 7.0, else 4,096: what CUDA accepts.
+SIMT_API size_t max_param_bytes();
 
 struct Stats {
   uint64_t launches, blocks, threads, barriers, warp_collectives, shared_accesses;

@@ -97,11 +97,15 @@ __global__ void uninitialised_shared_kernel(const float* x, float* out) {
 // in global memory, which the emulator does not check: here it shows the schedule.)
 __global__ void last_writer_kernel(const float* x, float* out) { out[0] = static_cast<float>(threadIdx.x); }
 
-// Parameters over CUDA's 4 KiB limit (before 12.1).
+// Parameters over CUDA's 4 KiB limit (before 12.1), and over its 32,764-byte limit (12.1 and later).
 struct Big {
   float v[1100];
 };
 __global__ void big_params_kernel(Big big, float* out) { out[threadIdx.x] = big.v[threadIdx.x]; }
+struct Huge {
+  float v[8192];
+};
+__global__ void huge_params_kernel(Huge huge, float* out) { out[threadIdx.x] = huge.v[threadIdx.x]; }
 
 int run(const std::string& name, const float* x, float* out) {
   if (name == "block_sum") {
@@ -126,6 +130,8 @@ int run(const std::string& name, const float* x, float* out) {
     launch_kernel("last_writer", last_writer_kernel, 1, kBlockSize, 0, nullptr, x, out);
   } else if (name == "big_params") {
     launch_kernel("big_params", big_params_kernel, 1, 32, 0, nullptr, Big{}, out);
+  } else if (name == "huge_params") {
+    launch_kernel("huge_params", huge_params_kernel, 1, 32, 0, nullptr, Huge{}, out);
   } else if (name == "empty_grid") {
     launch_kernel("empty_grid", block_sum_kernel, 0, kBlockSize, 0, nullptr, x, out);
   } else {
@@ -156,4 +162,13 @@ extern "C" __attribute__((visibility("default"))) void distopt_simt_stats(uint64
   const uint64_t values[] = {s.launches, s.blocks, s.threads, s.barriers, s.warp_collectives, s.shared_accesses};
   std::memcpy(out, values, sizeof(values));
   if (reset) simt::reset_stats();
+}
+
+// Sets the machine the emulator stands for (simt::set_runtime): CUDA versions and compute capability.
+extern "C" __attribute__((visibility("default"))) void distopt_simt_set_runtime(int driver, int runtime, int cc_major) {
+  simt::Runtime r = simt::runtime();
+  r.driver_version = driver;
+  r.runtime_version = runtime;
+  r.cc_major = cc_major;
+  simt::set_runtime(r);
 }

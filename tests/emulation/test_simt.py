@@ -24,6 +24,7 @@ import build_config  # noqa: E402
 NAME = "distopt_simt_controls"
 BLOCK = 512  # kBlockSize
 SEEDS = (0, 1, 2, 3, 12345)
+DEFAULT_RUNTIME = (13000, 13000, 9)  # the emulator's initial machine: CUDA 13.0 on an H100 (simt.h)
 
 
 class Controls:
@@ -36,6 +37,7 @@ class Controls:
             ctypes.c_char_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
         ]  # fmt: skip
         self.lib.distopt_simt_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
+        self.lib.distopt_simt_set_runtime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
     def run(self, name: str, x: torch.Tensor, out: torch.Tensor, seed: int = 1) -> None:
         """Runs control ``name``; raises RuntimeError with the emulator's message if it rejects it."""
@@ -45,6 +47,12 @@ class Controls:
             raise ValueError(f"no control named {name!r}")
         if rc != 0:
             raise RuntimeError(err.value.decode())
+
+    def set_runtime(
+        self, driver: int = DEFAULT_RUNTIME[0], runtime: int = DEFAULT_RUNTIME[1], cc_major: int = DEFAULT_RUNTIME[2]
+    ) -> None:
+        """What the emulated machine reports (CUDA versions as 1000 * major + 10 * minor)."""
+        self.lib.distopt_simt_set_runtime(driver, runtime, cc_major)
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         values = (ctypes.c_uint64 * 6)()
@@ -120,7 +128,7 @@ NEGATIVE = [
     ("divergent_barriers", "barrier divergence", "threads wait at different barriers"),
     ("deadlock", "deadlock", "wait at __shfl_down_sync at "),
     ("uninitialised_shared", "uninitialised shared memory", "which no thread of this block has written"),
-    ("big_params", "invalid launch", "the kernel parameters take 4408 bytes, more than 4096"),
+    ("huge_params", "invalid launch", "the kernel parameters take 32776 bytes, more than 32764 (emulated driver 13000"),
     ("empty_grid", "invalid launch", "empty grid (0,1,1)"),
 ]
 
@@ -135,8 +143,37 @@ def test_broken_kernel_is_caught(controls: Controls, buffers, name: str, kind: s
         controls.run(name, x, out, seed)
     message = str(info.value)
     assert detail in message, message
-    if name not in ("big_params", "empty_grid"):
+    if name not in ("huge_params", "empty_grid"):
         assert f"in kernel '{name}' (grid " in message and f", seed {seed}, " in message, message
+
+
+# (driver, runtime, compute capability major) -> whether 4,408 bytes of parameters are accepted: only
+# with a CUDA >= 12.1 driver and runtime on Volta (7.0) or later, as on a GPU.
+RUNTIMES = [
+    ((13000, 13000, 9), True),
+    ((12010, 12010, 7), True),
+    ((12000, 13000, 9), False),  # a 12.0 driver (minor-version compatibility lets a 12.x build run on it)
+    ((12080, 12000, 9), False),  # a 12.0 runtime
+    ((12080, 12080, 6), False),  # Pascal
+]
+
+
+@pytest.mark.parametrize("runtime,accepted", RUNTIMES, ids=[f"{d}-{r}-sm{c}" for (d, r, c), _ in RUNTIMES])
+def test_parameter_limit_follows_the_emulated_runtime(controls: Controls, buffers, runtime, accepted: bool) -> None:
+    """4 KiB of kernel parameters is the limit unless the emulated machine allows 32,764 bytes; 32,776
+    bytes never fit."""
+    x, out = buffers
+    controls.set_runtime(*runtime)
+    try:
+        if accepted:
+            controls.run("big_params", x, out)
+        else:
+            with pytest.raises(RuntimeError, match="the kernel parameters take 4408 bytes, more than 4096 "):
+                controls.run("big_params", x, out)
+        with pytest.raises(RuntimeError, match="the kernel parameters take 32776 bytes, more than "):
+            controls.run("huge_params", x, out)
+    finally:
+        controls.set_runtime()
 
 
 def test_race_report_names_both_accesses(controls: Controls, buffers) -> None:
