@@ -73,16 +73,22 @@ ELF = f"""\
 \tValue:\t0x18
 """
 
-ADAM_NAME = ("void distopt::cuda::multi_tensor_kernel<distopt::cuda::TensorListMetadata<7>, distopt::(anonymous "
-             "namespace)::AdamOp<float, c10::BFloat16, float, false>, distopt::(anonymous namespace)::AdamDeviceArgs>"
-             "(distopt::cuda::TensorListMetadata<7>, distopt::(anonymous namespace)::AdamOp<float, c10::BFloat16, "
-             "float, false>, distopt::(anonymous namespace)::AdamDeviceArgs)")
-REM_NAME = ADAM_NAME.replace("AdamOp<float, c10::BFloat16, float, false>",
-                             "AdamOp<c10::BFloat16, c10::Half, distopt::NoList, true>")
-SCALE_NAME = ("void distopt::cuda::multi_tensor_kernel<distopt::cuda::TensorListMetadata<2>, distopt::(anonymous "
-              "namespace)::ScaleOp<float, float>, distopt::ScaleArgs>(distopt::cuda::TensorListMetadata<2>, "
-              "distopt::(anonymous namespace)::ScaleOp<float, float>, distopt::ScaleArgs)")
+META5 = "distopt::cuda::TensorListMetadata<5, false>"
+ADAM_OP = "distopt::(anonymous namespace)::AdamOp<float, c10::BFloat16, float, false, false>"
+ADAM_NAME = (f"void distopt::cuda::multi_tensor_kernel<{META5}, {ADAM_OP}, distopt::(anonymous namespace)::"
+             f"AdamDeviceArgs>({META5}, {ADAM_OP}, distopt::(anonymous namespace)::AdamDeviceArgs)")
+REM_NAME = ADAM_NAME.replace("AdamOp<float, c10::BFloat16, float, false, false>",
+                             "AdamOp<c10::BFloat16, c10::Half, distopt::NoList, true, false>")
+LARGE_CAP_NAME = ADAM_NAME.replace("TensorListMetadata<5, false>", "TensorListMetadata<6, true>").replace(
+    "float, false, false>", "float, false, true>")
+META2 = "distopt::cuda::TensorListMetadata<2, false>"
+SCALE_OP = "distopt::(anonymous namespace)::ScaleOp<float, float>"
+SCALE_NAME = (f"void distopt::cuda::multi_tensor_kernel<{META2}, {SCALE_OP}, distopt::ScaleArgs>({META2}, "
+              f"{SCALE_OP}, distopt::ScaleArgs)")
 TOTAL_NAME = "distopt::(anonymous namespace)::l2norm_total(float const*, long, float*)"
+CLEANUP = "distopt::(anonymous namespace)::CleanupMeta<{}>"
+CLEANUP_NAME = (f"void distopt::(anonymous namespace)::l2norm_per_tensor<{CLEANUP} >({CLEANUP}, float const*, float*, "
+                "float*)")
 
 
 def kernel(demangled: str, **stats) -> "gb.Kernel":
@@ -126,6 +132,20 @@ def test_describe_models_adam_dtypes():
     assert (rem.expected_ldg128, rem.expected_stg128) == (7, 6)  # p, g, rem 1; m, v 2 each
     assert rem.bytes_per_elem == 2 + 2 * 2 + 8 * 2 + 2 * 2
     assert any("LDG.128" in v for v in rem.violations) and any("STG.128" in v for v in rem.violations)
+
+
+def test_large_metadata_instantiations_get_the_large_parameter_limit():
+    """A 32K instantiation may take up to 32,764 B of parameters; every other kernel must fit 4 KiB (what
+    runs where the runtime refuses large parameters)."""
+    large = kernel(LARGE_CAP_NAME, registers=60, accesses={"LDG.128": 7, "STG.128": 8}, param_bytes=32320)
+    assert large.name == "adam p=fp32 g=bf16 out=fp32 capturable 32K" and large.violations == []
+    too_big = kernel(LARGE_CAP_NAME, param_bytes=32765)
+    assert any("32765 B of kernel parameters > 32764" in v for v in too_big.violations)
+    assert any("4100 B of kernel parameters > 4096" in v for v in kernel(ADAM_NAME, param_bytes=4100).violations)
+    big_cleanup = kernel(CLEANUP_NAME.replace("{}", "true"), registers=30, param_bytes=32032)
+    small_cleanup = kernel(CLEANUP_NAME.replace("{}", "false"), registers=30, param_bytes=3232)
+    assert (big_cleanup.name, small_cleanup.name) == ("l2norm_per_tensor 32K", "l2norm_per_tensor")
+    assert big_cleanup.violations == small_cleanup.violations == []
 
 
 def test_describe_plain_kernel_and_scale():
@@ -203,7 +223,13 @@ def test_real_sources_meet_the_budgets(tmp_path, capsys):
     records = json.loads(out.read_text())
     names = {r["name"] for r in records}
     assert {r["arch"] for r in records} == {"sm_80", "sm_90"}
-    # 36 Adam dtype combinations plus 12 with bf16 remainders, 9 scale casts, 3 norms and 2 cleanup kernels.
-    assert sum(n.startswith("adam ") for n in names) == 48 and sum(n.startswith("scale ") for n in names) == 9
-    assert {"l2norm_per_tensor", "l2norm_total"} <= names
+    # 36 Adam dtype combinations plus 12 with bf16 remainders, each eager and capturable; 9 scale casts,
+    # 3 norms and the per-tensor cleanup: each with 4 KiB and with 32K metadata. One total kernel.
+    assert sum(n.startswith("adam ") for n in names) == 48 * 2 * 2
+    assert sum(n.startswith("adam ") and n.endswith(" capturable 32K") for n in names) == 48
+    assert sum(n.startswith("scale ") for n in names) == 9 * 2 and sum(n.startswith("l2norm ") for n in names) == 3 * 2
+    assert {"l2norm_per_tensor", "l2norm_per_tensor 32K", "l2norm_total"} <= names
+    by_name = {(r["name"], r["arch"]): r for r in records}
+    assert max(r["param_bytes"] for r in records if not r["name"].endswith(" 32K")) <= gb.SMALL_PARAM_BYTES
+    assert by_name[("adam p=fp32 g=fp32 out=none 32K", "sm_90")]["param_bytes"] > gb.SMALL_PARAM_BYTES
     assert rc == 0, captured.err

@@ -40,9 +40,14 @@ MAX_REGISTERS = 64
 # No local memory at all: spills and stack frames live in off-chip local memory, adding traffic to a
 # kernel whose speed is its memory traffic.
 MAX_LOCAL_BYTES = 0
-# Kernel arguments were limited to 4 KiB before CUDA 12.1 (and still are on older drivers); the
-# metadata structs are sized for it (kMaxKernelArgBytes in csrc/cuda/multi_tensor_apply.cuh).
-MAX_PARAM_BYTES = 4096
+# Kernel parameters: 4 KiB before CUDA 12.1 (and still on older drivers and pre-Volta GPUs), 32,764
+# bytes with a 12.1+ runtime and driver on Volta and later. Each launch helper is built in both sizes
+# (csrc/cuda/kernel_params.cuh picks one at run time): an instantiation whose metadata is the large
+# kind (TensorListMetadata<depth, true>, CleanupMeta<true>) may take up to LARGE_PARAM_BYTES, every
+# other kernel must fit SMALL_PARAM_BYTES, since it is what runs where large parameters are refused.
+SMALL_PARAM_BYTES = 4096
+LARGE_PARAM_BYTES = 32764
+_LARGE_META = re.compile(r"(?:TensorListMetadata<\d+, true>|CleanupMeta<true>)")
 # Bandwidth-bound time: bytes moved for PARAMS elements at the H100's measured HBM bandwidth.
 HBM_BYTES_PER_S = 3.0e12
 PARAMS = 1e9
@@ -86,6 +91,7 @@ class Kernel:
     spill_loads: int = 0
     smem_bytes: int = 0
     param_bytes: int | None = None
+    param_limit: int = SMALL_PARAM_BYTES  # LARGE_PARAM_BYTES for the large-metadata instantiations
     accesses: dict[str, int] = field(default_factory=dict)  # "LDG.128" -> count in the SASS
     expected_ldg128: int | None = None  # 128-bit loads of one aligned-loop step, every list
     expected_stg128: int | None = None
@@ -299,12 +305,13 @@ def op_model(op: str, args: list[str]) -> tuple[str, list[str], list[str], list[
     """(name, loaded list types, stored list types, types that set N) of an op's aligned loop, per
     csrc/cuda/<op>.cu: N = 16 / narrowest type, each list moves N elements per step."""
     if op == "AdamOp":
-        p, g, o, rem = args
+        p, g, o, rem, cap = args
         has_out, has_rem = o != "distopt::NoList", rem == "true"
         loads = [p, g, "float", "float"] + (["short"] if has_rem else [])
         stores = [p, "float", "float"] + (["short"] if has_rem else []) + ([o] if has_out else [])
         vec = [p, g, o if has_out else "float", "short" if has_rem else "float"]
         name = f"adam p={_short(p)} g={_short(g)} out={_short(o)}" + (" rem" if has_rem else "")
+        name += " capturable" if cap == "true" else ""
         return name, loads, stores, vec
     if op == "ScaleOp":
         i, o = args
@@ -319,7 +326,16 @@ _OP = re.compile(r"::(\w+Op)<([^<>]*)>")
 
 
 def describe(kernel: Kernel, demangled: str) -> None:
-    """Fills name, op, expected 128-bit accesses and bytes per element from the demangled name."""
+    """Fills name, op, parameter limit, expected 128-bit accesses and bytes per element from the
+    demangled name; names of large-metadata instantiations end in " 32K"."""
+    large = bool(_LARGE_META.search(demangled))
+    kernel.param_limit = LARGE_PARAM_BYTES if large else SMALL_PARAM_BYTES
+    _describe_op(kernel, demangled)
+    if large:
+        kernel.name += " 32K"
+
+
+def _describe_op(kernel: Kernel, demangled: str) -> None:
     if m := _OP.search(demangled):
         model = op_model(m.group(1), [a.strip() for a in m.group(2).split(",")])
         if model is None:
@@ -334,6 +350,7 @@ def describe(kernel: Kernel, demangled: str) -> None:
         kernel.bytes_per_elem = sum(_size(t) for t in loads + stores)
     else:  # a plain __global__ function: its unqualified name
         plain = re.sub(r"\(.*$", "", demangled.replace("(anonymous namespace)", "{anon}"))  # drop the arguments
+        plain = re.sub(r"<.*$", "", plain)  # and the template arguments
         kernel.name = kernel.op = plain.split("::")[-1]
 
 
@@ -361,8 +378,8 @@ def check(kernel: Kernel) -> None:
                  f"{kernel.spill_loads} B spill loads")
     if kernel.param_bytes is None:
         v.append("kernel parameter size not found in the cubin")
-    elif kernel.param_bytes > MAX_PARAM_BYTES:
-        v.append(f"{kernel.param_bytes} B of kernel parameters > {MAX_PARAM_BYTES}")
+    elif kernel.param_bytes > kernel.param_limit:
+        v.append(f"{kernel.param_bytes} B of kernel parameters > {kernel.param_limit}")
     if kernel.expected_ldg128 is None:
         return
     a = kernel.accesses
@@ -471,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels = collect(results, tools["demangler"], block_size(csrc))
     print(f"GPU budgets: registers <= {MAX_REGISTERS}, local memory <= {MAX_LOCAL_BYTES} B, kernel params <= "
-          f"{MAX_PARAM_BYTES} B, aligned loops 128-bit for every list; block size {block_size(csrc)}\n")
+          f"{SMALL_PARAM_BYTES} B ({LARGE_PARAM_BYTES} B for the \"32K\" large-metadata instantiations), "
+          f"aligned loops 128-bit for every list; block size {block_size(csrc)}\n")
     print(table(kernels, archs))
     if args.json:
         args.json.write_text(json.dumps([asdict(k) for k in kernels], indent=1))
