@@ -7,7 +7,8 @@
 #   step     benchmarks/bench_step.py --device cuda --world-size 1 (whole optimizer step and iteration:
 #            DistributedFusedAdam vs FusedAdam vs DDP + AdamW) -> OUT_DIR/results_step.json, .png
 #   memcheck compute-sanitizer --tool memcheck on every op and dtype path at small sizes
-#   racecheck compute-sanitizer --tool racecheck on l2norm (shared-memory reduction)
+#   racecheck compute-sanitizer --tool racecheck on the kernels that use shared memory: l2norm's
+#            reduction and the capturable Adam's per-block coefficients
 #                                                     -> OUT_DIR/sanitizer.log
 # Everything is also in OUT_DIR/suite.log; eight files in all, one folder deep (the device returns at
 # most 8 files, 2 folders deep: a new output must be merged into an existing file). A failing stage
@@ -135,8 +136,9 @@ def l2norm():
         assert found_inf.item() == 1.0
 
 l2norm()
-if sys.argv[1:] != ["l2norm"]:
-    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+adam(f32, bf16, bf16, capturable=True)  # its coefficients go through shared memory
+if sys.argv[1:] != ["shared"]:
     adam(f32, f32, None)
     adam(f32, bf16, bf16)
     adam(f32, f16, f16, adam_w=False)
@@ -173,7 +175,7 @@ sanitize() {
     "$PYTHON" -c "$SANITIZER_PY" "$@" 2>&1 | tee -a "$OUT/sanitizer.log"
 }
 memcheck() { sanitize memcheck; }
-racecheck() { sanitize racecheck l2norm; }
+racecheck() { sanitize racecheck shared; }
 
 main() {
   echo "distopt GPU suite: $(date -u +%Y-%m-%dT%H:%M:%SZ), output in $OUT"
