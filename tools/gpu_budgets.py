@@ -40,11 +40,9 @@ MAX_REGISTERS = 64
 # No local memory at all: spills and stack frames live in off-chip local memory, adding traffic to a
 # kernel whose speed is its memory traffic.
 MAX_LOCAL_BYTES = 0
-# Kernel parameters: 4 KiB before CUDA 12.1 (and still on older drivers and pre-Volta GPUs), 32,764
-# bytes with a 12.1+ runtime and driver on Volta and later. Each launch helper is built in both sizes
-# (csrc/cuda/kernel_params.cuh picks one at run time): an instantiation whose metadata is the large
-# kind (TensorListMetadata<depth, true>, CleanupMeta<true>) may take up to LARGE_PARAM_BYTES, every
-# other kernel must fit SMALL_PARAM_BYTES, since it is what runs where large parameters are refused.
+# Kernel parameters: 4 KiB, or 32,764 B with CUDA >= 12.1 on Volta+ (csrc/cuda/kernel_params.cuh). Only
+# the large-metadata instantiations (TensorListMetadata<d, true>, CleanupMeta<true>) may exceed 4 KiB:
+# every other kernel is what runs where large parameters are refused.
 SMALL_PARAM_BYTES = 4096
 LARGE_PARAM_BYTES = 32764
 _LARGE_META = re.compile(r"(?:TensorListMetadata<\d+, true>|CleanupMeta<true>)")
@@ -326,8 +324,8 @@ _OP = re.compile(r"::(\w+Op)<([^<>]*)>")
 
 
 def describe(kernel: Kernel, demangled: str) -> None:
-    """Fills name, op, parameter limit, expected 128-bit accesses and bytes per element from the
-    demangled name; names of large-metadata instantiations end in " 32K"."""
+    """Fills name (" 32K" at the end: large metadata), op, parameter limit, expected 128-bit accesses
+    and bytes per element from the demangled name."""
     large = bool(_LARGE_META.search(demangled))
     kernel.param_limit = LARGE_PARAM_BYTES if large else SMALL_PARAM_BYTES
     _describe_op(kernel, demangled)
