@@ -11,7 +11,7 @@
 //
 // Two sizes of metadata (kernel_params.cuh decides which, once per process):
 //   * 4 KiB, the kernel-argument limit before CUDA 12.1 (and on older drivers or pre-Volta GPUs):
-//     320 blocks and 8-bit tensor slots, e.g. 36 tensors at depth 4.
+//     320 blocks and 8-bit tensor slots, the rest for tensor slots: 49 at depth 4.
 //   * 32,764 bytes (CUDA >= 12.1 runtime and driver, compute capability >= 7.0): 16-bit slots and as
 //     many block entries as tensor slots, so many one-chunk tensors fill both at once. At depth 4
 //     (fp32 eager Adam) a launch holds 700 tensors: 10,000 tensors of 4,096 elements take 15 launches
