@@ -11,6 +11,11 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   the whole state on the CPU of every rank (of rank 0 only with ``gather_on_rank0``). It is also what
   torch.distributed.checkpoint's ``get_state_dict`` reads, which re-keys it by param name (FQN):
   loading accepts either key, matched through the saved ``param_groups`` as torch.optim does.
+* ``state_dict(sharded=True)``, which plain ``state_dict()`` returns inside
+  ``sharded_state_dicts(opt)`` (so that torch's ``get_state_dict`` and ``dcp.save``/``dcp.load``
+  of the optimizer see it): the same structure with no ``format`` or ``checksums``, whose state
+  tensors hold only this rank's elements of each param, as views of its shard (dcp_sharded.py):
+  nothing is gathered or copied, and torch.distributed.checkpoint reshards it itself.
 * ``save(opt, path, extra)`` / ``load(opt, path, extra)``: sharded through
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import io
 import os
 from collections import defaultdict
 
@@ -48,7 +49,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed import checkpoint, dcp_sharded
+from distopt.distributed import boxes, checkpoint, dcp_sharded
 
 import tolerances
 from harness import run_ranks
@@ -67,7 +68,8 @@ def differences(actual: dict, expected: dict) -> list[str]:
     return changed
 
 
-def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: bool) -> tuple[list[str], list]:
+def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: bool,
+                 sharded: bool = False) -> tuple[list[str], list]:
     """3 steps; every state-dict getter of torch's API, three times over, and dcp.save; then 3 more steps."""
     model = make_model(setup.dtype)
     opt = setup.build(model)
@@ -75,23 +77,25 @@ def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: b
     if control:
         opt.state = defaultdict(dict)  # the view gone: torch's opt.state as DFA had it before
     before = snapshot(opt, model, None)
-    for _ in range(3):
-        model_sd, optim_sd = get_state_dict(model, opt)
-    get_optimizer_state_dict(model, opt)
-    get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    dcp.save({"model": model, "optim": opt}, checkpoint_id=path + "_stateful")  # Stateful: opt.state_dict()
+    with checkpoint.sharded_state_dicts(opt) if sharded else contextlib.nullcontext():
+        for _ in range(3):
+            model_sd, optim_sd = get_state_dict(model, opt)
+        get_optimizer_state_dict(model, opt)
+        get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dcp.save({"model": model, "optim": opt}, checkpoint_id=path + "_stateful")  # Stateful: opt.state_dict()
     changed = differences(snapshot(opt, model, None), before)
     train(model, opt, range(3, 6), rank, world_size, setup.dtype)
     opt.param_sync()
     return changed, params_of(model)
 
 
-@pytest.mark.parametrize("control", [False, True], ids=["dfa", "negative_control_empty_state"])
+@pytest.mark.parametrize("control, sharded", [(False, False), (False, True), (True, False)],
+                         ids=["dfa", "dfa_sharded", "negative_control_empty_state"])
 @pytest.mark.parametrize("setup", [SAVE_SETUP, Setup(bucket_cap_mb=TINY_BUCKET_MB, **REMAINDERS)],
                          ids=["fp32", "bf16_remainders_tiny_buckets"])
-def test_saving_changes_nothing(tmp_path, setup, control):
-    results = run_ranks(save_mid_run, 2, (setup, str(tmp_path / "ckpt"), control))
+def test_saving_changes_nothing(tmp_path, setup, control, sharded):
+    results = run_ranks(save_mid_run, 2, (setup, str(tmp_path / "ckpt"), control, sharded))
     expected = run_ranks(uninterrupted, 2, (setup,))[0][0]
     for changed, params in results:
         same_run = all(torch.equal(a, e) for a, e in zip(params, expected))
@@ -186,7 +190,7 @@ RESUMES = [(2, 2, "get_state_dict"), (2, 1, "get_state_dict"), (1, 2, "get_state
            (2, 4, "sharded_stateful"), (2, 2, "sharded_flattened"), (4, 1, "sharded_flattened")]
 # Either form on either side: dcp assembles whole tensors from shards and cuts shards from whole tensors.
 MIXED = [(2, 2, "get_state_dict", "sharded_get_state_dict"), (2, 4, "sharded_get_state_dict", "get_state_dict"),
-         (2, 1, "sharded_flattened", "flattened")]
+         (2, 1, "sharded_flattened", "flattened"), (2, 4, "stateful", "sharded_stateful")]
 
 
 @pytest.mark.parametrize("saved_on, loaded_on, api", RESUMES, ids=[f"{a}-{n}to{m}" for n, m, a in RESUMES])
@@ -220,12 +224,22 @@ def test_resume_through_dcp_same_layout_is_bit_exact(tmp_path):
     assert all(torch.equal(a, e) for a, e in zip(params + outputs, ref_params + ref_outputs))
 
 
-def test_bf16_remainders_masters_survive_dcp(tmp_path):
+@pytest.mark.parametrize("api", ["get_state_dict", "sharded_get_state_dict"])
+def test_bf16_remainders_masters_survive_dcp(tmp_path, api):
     save, load = Setup(**REMAINDERS), Setup(bucket_cap_mb=TINY_BUCKET_MB, reverse_init=True, **REMAINDERS)
     path = str(tmp_path / "ckpt")
-    sd = run_ranks(save_through_api, 2, (save, path, "get_state_dict"))[0]
-    _, _, reloaded = run_ranks(load_through_api, 1, (load, path, "get_state_dict"))[0]
-    assert_same_state(reloaded, sd)  # fp32 masters, exactly, through bf16 params + int16 remainders
+    sd = run_ranks(save_through_api, 2, (save, path, api))[0]
+    for _, _, reloaded in run_ranks(load_through_api, 2 if api.startswith("sharded") else 1, (load, path, api)):
+        assert_same_state(reloaded, sd)  # fp32 masters, exactly, through bf16 params + int16 remainders
+
+
+def test_hybrid_sharding_through_dcp(tmp_path):
+    """Replicas of a shard save the same boxes: dcp writes each once; resumed on 2 plain ranks."""
+    path = str(tmp_path / "ckpt")
+    sd = run_ranks(save_through_api, 4, (Setup(hsdp_shard=2, bucket_cap_mb=TINY_BUCKET_MB), path,
+                                         "sharded_get_state_dict"))[0]
+    for _, _, reloaded in run_ranks(load_through_api, 2, (LOAD_SETUP, path, "sharded_get_state_dict")):
+        assert_same_state(reloaded, sd)
 
 
 def fqn_refusals(rank: int, world_size: int) -> list[str]:
@@ -378,3 +392,112 @@ def test_save_memory_per_rank(tmp_path):
     # The negative control: gathering is caught by either measure.
     assert min(r[0] for r in runs["gathered"]) > 0.9 * full > bucket
     assert min(r[1] for r in runs["gathered"]) > full > bucket
+
+
+# ------------------------------------------------------------------ the sharded form's boxes and refusals
+
+
+def test_boxes_tile_each_range_once():
+    """Every flat range of a dense tensor (row-major, channels_last, permuted) is cut into at most
+    2 * ndim - 1 boxes that cover it exactly once, in memory order, each a view of its elements."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(2000):
+        shape = torch.randint(1, 6, (trial % 5,), generator=gen).tolist()
+        t = torch.randn(shape, generator=gen)
+        if len(shape) >= 2 and trial % 3:
+            order = torch.randperm(len(shape), generator=gen).tolist()  # a dense tensor in another memory order
+            t = torch.randn([shape[d] for d in order], generator=gen).permute(sorted(range(len(order)),
+                                                                                     key=order.__getitem__))
+        flat = t.as_strided((t.numel(),), (1,))
+        start, stop = sorted(torch.randint(0, t.numel() + 1, (2,), generator=gen).tolist())
+        cut = boxes.boxes(t.shape, t.stride(), start, stop)
+        assert len(cut) <= max(1, 2 * len(shape) - 1)
+        hits, at = torch.zeros(t.shape, dtype=torch.int64), start
+        for box in cut:
+            assert box.start == at
+            at += box.numel
+            where = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))
+            view = boxes.box_view(flat[box.start : box.start + box.numel], box, boxes.memory_order(t.shape, t.stride()))
+            assert torch.equal(view, t[where])
+            hits[where] += 1
+        assert at == stop and int(hits.sum()) == stop - start and bool((hits <= 1).all())
+    with pytest.raises(ValueError, match="not dense"):
+        boxes.memory_order((4, 4), (8, 1))
+
+
+def conv_model(channels_last: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 2))
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def conv_run(rank: int, world_size: int, path: str, channels_last: bool, save: bool) -> dict:
+    """Saves (after 2 steps) or loads through get_state_dict inside sharded_state_dicts."""
+    model = conv_model(channels_last)
+    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=TINY_BUCKET_MB if save else 4 * TINY_BUCKET_MB)
+    gen = torch.Generator().manual_seed(rank)
+    with checkpoint.sharded_state_dicts(opt):
+        if save:
+            for _ in range(2):
+                model(torch.randn(2, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)).square().mean() \
+                    .backward()
+                opt.step()
+                opt.zero_grad()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        if save:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        else:
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("loaded_on, channels_last", [(1, False), (4, True), (3, False)])
+def test_channels_last_params_through_dcp(tmp_path, loaded_on, channels_last):
+    """Boxes are in the logical dims: a channels_last model's shards (flat ranges of its NHWC memory)
+    load into a contiguous one, and back, under any world size."""
+    path = str(tmp_path / "ckpt")
+    sd = run_ranks(conv_run, 2, (path, True, True))[0]
+    for reloaded in run_ranks(conv_run, loaded_on, (path, channels_last, False)):
+        assert_same_state(reloaded, sd)
+
+
+def sharded_refusals(rank: int, world_size: int) -> list[str]:
+    model = make_model()
+    opt = DistributedFusedAdam(groups(model), bucket_cap_mb=TINY_BUCKET_MB)
+    train(model, opt, range(2), rank, world_size, torch.float32)
+    other_model = make_model()
+    other = DistributedFusedAdam(groups(other_model))  # another layout: one bucket
+    other.shard_buckets()
+    sharded = opt.state_dict(sharded=True)
+    before = snapshot(other, other_model, None)
+    messages = []
+    with pytest.raises(ValueError) as info:  # its boxes are not the ones the other layout needs
+        other.load_state_dict(sharded)
+    messages.append(str(info.value))
+    assert differences(snapshot(other, other_model, None), before) == []
+    with pytest.raises(ValueError, match="choose one"):
+        opt.state_dict(gather_on_rank0=True, sharded=True)
+    with pytest.raises(TypeError, match="DistributedFusedAdam, not FusedAdam"):
+        with checkpoint.sharded_state_dicts(FusedAdam(make_model().parameters())):
+            pass
+    with checkpoint.sharded_state_dicts(opt):
+        # torch's full state dict cannot be made of shards: torch returns them as they are, and any
+        # use of them (saving, arithmetic) raises instead of handing out a partial tensor.
+        _, full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            torch.save(full, io.BytesIO())
+        with pytest.raises(TypeError, match="only this rank's part"):
+            full["state"]["0.weight"]["exp_avg"].sum()
+    assert not dcp_sharded.active(opt)
+    state = opt.state_dict()["state"]  # whole tensors again, outside the block
+    assert all(type(v) is torch.Tensor for entry in state.values() for v in entry.values())
+    before = snapshot(opt, model, None)
+    opt.load_state_dict(sharded)  # the optimizer it was taken from loads it: its own state, unchanged
+    assert differences(snapshot(opt, model, None), before) == []
+    return messages
+
+
+def test_sharded_state_dict_refusals():
+    messages = run_ranks(sharded_refusals, 2)[0]
+    assert "lacks elements" in messages[0] and "sharded_state_dicts" in messages[0], messages
