@@ -11,10 +11,10 @@ flat range of each param (layout.py), which DTensor placements cannot express; b
 boxes, and ``ShardedParamState`` hands them to torch.distributed.checkpoint through its
 ``_Checkpointable`` protocol, as DTensor does. dcp.save writes each rank's boxes; dcp.load reads, into
 this rank's boxes, the parts of the saved ones that overlap them, whatever the world size or layout
-that saved them (or whole tensors, as torch.optim.AdamW's checkpoints hold). dcp.load writes into the
-optimizer's shard in place, as it does into torch's own optimizers' state; ``load_state_dict`` of the
-filled state dict then sets the step, the hyperparameters and the model params. (For an all-or-nothing
-load with checksums, use ``checkpoint.load``.)
+that saved them (or whole tensors, as torch.optim.AdamW's checkpoints hold). dcp.load fills a CPU copy
+of this rank's part (taken when it plans its reads), not the optimizer: ``load_state_dict`` of the
+filled state dict (``set_state_dict``) checks it, then writes the shards, the step, the hyperparameters
+and the model params. (``checkpoint.load`` also verifies checksums.)
 
 A ``ShardedParamState`` is only for torch.distributed.checkpoint: every tensor operation on it
 (and pickling) raises a TypeError, so asking torch for a full or CPU-offloaded state dict inside
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -82,26 +82,39 @@ def exact_storage(t: Tensor) -> Tensor:
 
 class ShardedParamState(Tensor):
     """One state tensor of one param (fp32, the param's shape) of which this rank holds the flat ranges
-    (in the param's memory order) given as ``ranges``: [(first element, 1-D values)]. Implements
-    torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything else raises a TypeError."""
+    (in the param's memory order) given as ``ranges``: [(first element, 1-D values)], views of the
+    optimizer's shard. Implements torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything
+    else raises a TypeError.
+
+    dcp.save reads the views. dcp.load plans its reads through ``__create_chunk_list__`` (which dcp.save
+    never calls): from then on the tensor holds a CPU copy of its values, which dcp.load overwrites,
+    never the optimizer's own state. So a load that fails halfway, or a dcp.load not followed by
+    ``set_state_dict``/``load_state_dict`` (which checks everything, then applies it), changes nothing."""
 
     _ranges: tuple[tuple[int, Tensor], ...]
+    _stride: tuple[int, ...]
     _order: tuple[int, ...]
     _boxes: tuple[tuple[Box, Tensor], ...]
+    _copied: bool
 
     @staticmethod
     def __new__(
         cls, shape: torch.Size, stride: tuple[int, ...], device: torch.device, ranges: list[tuple[int, Tensor]]
     ) -> ShardedParamState:
         self = Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=device)
-        self._ranges = tuple(sorted(ranges, key=lambda r: r[0]))
+        self._stride = tuple(stride)
         self._order = memory_order(shape, stride)
+        self._copied = False
+        self._hold(ranges)
+        return self
+
+    def _hold(self, ranges: Iterable[tuple[int, Tensor]]) -> None:
+        self._ranges = tuple(sorted(ranges, key=lambda r: r[0]))
         self._boxes = tuple(
             (box, values[box.start - first : box.start - first + box.numel])
             for first, values in self._ranges
-            for box in boxes(shape, stride, first, first + values.numel())
+            for box in boxes(self.shape, self._stride, first, first + values.numel())
         )
-        return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -134,10 +147,17 @@ class ShardedParamState(Tensor):
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
             )
-            for i, (box, chunk) in enumerate(zip((b for b, _ in self._boxes), self.__create_chunk_list__()))
+            for i, (box, chunk) in enumerate(zip((b for b, _ in self._boxes), self._chunks()))
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """The boxes dcp.load is to fill: first, a CPU copy of the values to fill (see the class docstring)."""
+        if not self._copied:
+            self._hold((first, values.detach().to("cpu", copy=True)) for first, values in self._ranges)
+            self._copied = True
+        return self._chunks()
+
+    def _chunks(self) -> list[ChunkStorageMetadata]:
         return [
             ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)) for box, _ in self._boxes
         ]

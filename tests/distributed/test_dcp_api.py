@@ -16,6 +16,7 @@ import ctypes
 import gc
 import io
 import os
+import shutil
 from collections import defaultdict
 
 import pytest
@@ -37,6 +38,7 @@ from test_checkpoint import (
     uninterrupted,
 )
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -242,6 +244,37 @@ def test_hybrid_sharding_through_dcp(tmp_path):
         assert_same_state(reloaded, sd)
 
 
+def load_in_two_steps(rank: int, world_size: int, path: str, broken: str) -> list[str]:
+    """A trained optimizer; dcp.load of a sharded template from a broken checkpoint (it fails), then
+    from the good one (nothing changes until set_state_dict), then set_state_dict."""
+    model = make_model()
+    opt = LOAD_SETUP.build(model)
+    train(model, opt, range(1), rank, world_size, torch.float32)
+    before = snapshot(opt, model, None)
+    with checkpoint.sharded_state_dicts(opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+    with pytest.raises(CheckpointException):
+        dcp.load({"optim": optim_sd}, checkpoint_id=broken)
+    changed = differences(snapshot(opt, model, None), before)
+    dcp.load({"optim": optim_sd}, checkpoint_id=path)
+    changed += differences(snapshot(opt, model, None), before)
+    set_optimizer_state_dict(model, opt, optim_sd)
+    return changed, opt.state_dict()
+
+
+def test_dcp_load_changes_nothing_until_set_state_dict(tmp_path):
+    """dcp.load fills the sharded template's own CPU copies, never the optimizer: a load that fails
+    halfway (a truncated data file) or one not followed by set_state_dict leaves it as it was."""
+    path, broken = tmp_path / "ckpt", tmp_path / "broken"
+    sd = run_ranks(save_through_api, 2, (SAVE_SETUP, str(path), "sharded_get_state_dict"))[0]
+    shutil.copytree(path, broken)
+    for data in broken.glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    for changed, reloaded in run_ranks(load_in_two_steps, 2, (str(path), str(broken))):
+        assert changed == [], changed
+        assert_same_state(reloaded, sd)
+
+
 def fqn_refusals(rank: int, world_size: int) -> list[str]:
     model = make_model()
     opt = DistributedFusedAdam(groups(model))
@@ -425,9 +458,22 @@ def test_boxes_tile_each_range_once():
         boxes.memory_order((4, 4), (8, 1))
 
 
+class ScaledConv(nn.Module):
+    """Convolutions and a 0-d scale (a box with no dims), with a frozen param (no state) in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+        self.convs = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.convs(x) * self.scale + self.frozen.sum()
+
+
 def conv_model(channels_last: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.Tanh(), nn.Conv2d(6, 4, 2))
+    model = ScaledConv()
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
@@ -455,7 +501,7 @@ def conv_run(rank: int, world_size: int, path: str, channels_last: bool, save: b
 @pytest.mark.parametrize("loaded_on, channels_last", [(1, False), (4, True), (3, False)])
 def test_channels_last_params_through_dcp(tmp_path, loaded_on, channels_last):
     """Boxes are in the logical dims: a channels_last model's shards (flat ranges of its NHWC memory)
-    load into a contiguous one, and back, under any world size."""
+    load into a contiguous one, and back, under any world size; so does a 0-d param's state."""
     path = str(tmp_path / "ckpt")
     sd = run_ranks(conv_run, 2, (path, True, True))[0]
     for reloaded in run_ranks(conv_run, loaded_on, (path, channels_last, False)):
