@@ -17,8 +17,9 @@ filled state dict (``set_state_dict``) checks it, then writes the shards, the st
 and the model params. (``checkpoint.load`` also verifies checksums.)
 
 A ``ShardedParamState`` is only for torch.distributed.checkpoint: every tensor operation on it
-(and pickling) raises a TypeError, so asking torch for a full or CPU-offloaded state dict inside
-``sharded_state_dicts`` fails loudly instead of handing out partial tensors.
+(and pickling) raises a TypeError. torch's ``full_state_dict``/``cpu_offload`` options, which cannot
+be told apart from here, hand these tensors on unchanged inside ``sharded_state_dicts``: their first
+use fails loudly instead of passing off a partial tensor as a whole one.
 """
 
 from __future__ import annotations

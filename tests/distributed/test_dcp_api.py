@@ -524,6 +524,9 @@ def sharded_refusals(rank: int, world_size: int) -> list[str]:
     assert differences(snapshot(other, other_model, None), before) == []
     with pytest.raises(ValueError, match="choose one"):
         opt.state_dict(gather_on_rank0=True, sharded=True)
+    nhwc, nchw = (DistributedFusedAdam(conv_model(c).parameters()) for c in (True, False))  # same layouts
+    with pytest.raises(ValueError, match="another memory format"):  # flat offsets would name other elements
+        nchw.load_state_dict(nhwc.state_dict(sharded=True))
     with pytest.raises(TypeError, match="DistributedFusedAdam, not FusedAdam"):
         with checkpoint.sharded_state_dicts(FusedAdam(make_model().parameters())):
             pass
