@@ -455,19 +455,20 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, gather_on_rank0: bool = False) -> dict[str, Any] | None:
+    def state_dict(self, gather_on_rank0: bool = False, *, sharded: bool | None = None) -> dict[str, Any] | None:
         """Per-param state (fp32 ``param``, ``exp_avg``, ``exp_avg_sq`` in each param's shape, on the
         CPU; ``step``; ``param_groups``), the same whatever the world size, bucket size or init order,
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
-        with `gather_on_rank0` only rank 0 assembles it (the others return None). See checkpoint.py,
-        also for sharded save/load through torch.distributed.checkpoint. torch's state-dict hooks fire."""
-        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0))
+        with `gather_on_rank0` only rank 0 assembles it (the others return None). `sharded` (default:
+        True inside ``checkpoint.sharded_state_dicts(self)``): each state tensor holds only this rank's
+        elements, as views of its shard, for torch.distributed.checkpoint (dcp_sharded.py). Hooks fire."""
+        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0, sharded))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
-        FusedAdam state dict, keyed by param position or (as torch.distributed.checkpoint's
-        ``get_state_dict`` makes them) by the names its param_groups list; checks everything (with
-        the checksums ``state_dict()`` records) before changing anything. Every rank must call it."""
+        """Loads either form of ``state_dict()`` (the whole one saved under any world size; the sharded
+        one as ``dcp.load`` fills it) or a torch.optim.AdamW/Adam or FusedAdam state dict, keyed by param
+        position or (as torch.distributed.checkpoint's ``get_state_dict`` makes them) by the names its
+        param_groups list; checks everything before changing anything. Every rank must call it."""
         load_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
 
     def __reduce_ex__(self, protocol: int):
