@@ -1,45 +1,31 @@
 """BMUF: blockwise model-update filtering (Chen & Huo, ICASSP 2016) around any local optimizer.
 
-Every rank runs its own optimizer on its own batches with no communication; every ``sync_every``
-steps the ranks average their models and a block-level momentum update moves the shared ("global")
-model. The semantics follow fairseq's ``FairseqBMUF``:
+Each rank runs its own optimizer on its own batches without communicating; every ``sync_every`` steps
+the ranks average their models and a block-momentum update moves the global model. As fairseq's
+``FairseqBMUF``: every ``step()`` call counts (one GradScaler skips for inf/nan too, so the ranks sync
+at the same calls). With ``warmup_steps = W > 0``, steps 1..W are local only, then rank 0's model is
+broadcast and the local optimizer's state averaged (``average_sync``) or reset to what it was when BMUF
+was built; with ``W = 0`` the ranks must start alike (the first sync checks). At every step ``n > W``
+with ``n % sync_every == 0``, with ``w`` the global copy (the model after the last sync, on every rank)
+and ``m`` the block momentum:
+    G = w - mean over ranks of the local params          (one all-reduce)
+    m = block_momentum * m + block_lr * G
+    w = w - m                                             (nesterov=False)
+    w = w - block_lr * G - block_momentum * m             (nesterov=True)
+then every rank's params become ``w`` (and with ``average_sync`` the optimizer state is averaged too).
+The Nesterov form is the paper's (the next block starts from ``W(t) + block_momentum * Delta(t)``),
+i.e. torch's SGD nesterov on the block gradient; fairseq's ``use_nbm`` omits taking back the previous
+look-ahead. ``block_momentum=0, block_lr=1`` syncs to the plain average (all-reducing the params). One
+rank runs the same algorithm without collectives (fairseq skips it).
 
-- ``step()`` runs the local optimizer, then counts the step (every call counts, a step GradScaler
-  skips for inf/nan included, so every rank syncs at the same calls).
-- Warm-up (``warmup_steps = W > 0``): steps 1 .. W are local only; at step W rank 0's model is
-  broadcast, and the local optimizer's state is averaged over the ranks (``average_sync``) or reset
-  to what it was when BMUF was built. With ``W = 0`` there is no warm-up sync: the ranks must start
-  from the same params (seed them alike), which the first block sync checks.
-- Block sync at every step ``n > W`` with ``n % sync_every == 0``, with ``w`` the global copy (the
-  model after the last sync, kept on every rank as fairseq keeps it) and ``m`` the block momentum:
-      G = w - mean over ranks of the local params       (the block's update, one all-reduce)
-      m = block_momentum * m + block_lr * G
-      w = w - m                                          (classical block momentum)
-      w = w - block_lr * G - block_momentum * m          (nesterov=True)
-  then every rank's params become ``w``; with ``average_sync`` the local optimizer's state
-  (e.g. Adam's moments) is averaged too. The Nesterov form is the paper's (the model for the next
-  block is the look-ahead ``W(t) + block_momentum * Delta(t)``), the same as torch's SGD with
-  nesterov on the block gradient. fairseq's ``use_nbm`` instead drops the previous block's look-ahead
-  before adding the new one's (it omits ``+ block_momentum * m_previous``); we follow the paper.
-  With ``block_momentum = 0`` and ``block_lr = 1`` a sync is the plain average of the params
-  (computed as such: the params themselves are all-reduced).
-- One rank (or a group of one) runs the same algorithm without collectives (fairseq skips syncs).
-
-Costs: the global copy (one param-sized tensor per param, in the weight dtype) and, when
-``block_momentum != 0``, the momentum buffer (another); per sync one all-reduce of every param's
-bytes, as flat buckets of one dtype (at most ``bucket_cap_mb`` each, so the transient buffer stays
-small), plus one 64-byte check; DDP all-reduces the same volume every step. The block update runs
-as torch ``_foreach`` ops over all tensors of a bucket: on CUDA these are fused multi-tensor-apply
-kernels (a few launches per bucket), on the CPU per-tensor loops.
-
-Equivalence: with ``sync_every=1, block_momentum=0, block_lr=1`` BMUF equals synchronous data
-parallel (DDP) for local optimizers whose update is linear in the gradient (SGD with or without
-momentum and weight decay), up to rounding; Adam is not linear in the gradient, so local Adam steps
-averaged differ from Adam on the averaged gradient.
-
-With ``FusedAdam(master_weights=True)`` BMUF syncs the fp32 masters (the weights the optimizer
-updates) and writes the 16-bit params from them. A warm-up reset (``average_sync=False``) drops the
-masters with the rest of the state; they restart from the 16-bit params, as at the first step.
+Costs: the global copy and, if ``block_momentum != 0``, the momentum (param-sized, in the weight
+dtype); per sync one all-reduce of every param byte in flat one-dtype buckets of ``bucket_cap_mb``,
+plus a 64-byte rank check (DDP: every gradient byte every step). The block update is torch
+``_foreach`` ops per bucket: fused multi-tensor-apply kernels on CUDA, per-tensor loops on the CPU.
+With ``FusedAdam(master_weights=True)`` the fp32 masters are the weights synced (16-bit params are
+written from them); a warm-up reset drops them with the rest of the state (they restart from the
+params, as at a first step). ``sync_every=1, block_momentum=0, block_lr=1`` equals DDP for local
+updates linear in the gradient (SGD, momentum, weight decay), up to rounding; not for Adam.
 """
 
 from __future__ import annotations
@@ -59,6 +45,8 @@ from .distributed.optimizer import DistributedFusedAdam
 from .fused_adam import FusedAdam
 
 _CHECKS = 4  # steps, averaged-state elements, L1 and L2 checksums of the global copy
+_HOOKS = ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post")
+_OPTIONS = ("sync_every", "warmup_steps", "average_sync", "block_lr", "block_momentum", "nesterov")
 
 
 class BMUF(torch.optim.Optimizer):
@@ -75,19 +63,31 @@ class BMUF(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank, even with inf/nan grads
 
-    def __init__(self, optimizer: torch.optim.Optimizer, process_group: dist.ProcessGroup | None = None,
-                 sync_every: int = 50, block_lr: float = 1.0, block_momentum: float = 0.875, nesterov: bool = True,
-                 warmup_steps: int = 0, average_sync: bool = False, *, bucket_cap_mb: float = 64.0) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, (BMUF, DistributedFusedAdam)):
-            raise TypeError("BMUF wraps a local torch.optim.Optimizer (FusedAdam, torch.optim.*), got "
-                            f"{type(optimizer).__name__}" + (" (already data parallel)" if isinstance(
-                                optimizer, (BMUF, DistributedFusedAdam)) else ""))
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        process_group: dist.ProcessGroup | None = None,
+        sync_every: int = 50,
+        block_lr: float = 1.0,
+        block_momentum: float = 0.875,
+        nesterov: bool = True,
+        warmup_steps: int = 0,
+        average_sync: bool = False,
+        *,
+        bucket_cap_mb: float = 64.0,
+    ) -> None:
+        nested = isinstance(optimizer, (BMUF, DistributedFusedAdam))
+        if not isinstance(optimizer, torch.optim.Optimizer) or nested:
+            raise TypeError(
+                f"BMUF wraps a local torch.optim.Optimizer, got {type(optimizer).__name__}"
+                + nested * " (already data parallel)"
+            )
         for name, value, low in (("sync_every", sync_every, 1), ("warmup_steps", warmup_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"BMUF: {name} must be an integer >= {low}, got {value!r}")
         if not 0.0 <= float(block_momentum) < 1.0:
             raise ValueError(f"BMUF: block_momentum must be in [0, 1), got {block_momentum}")
-        if not (0.0 < float(block_lr) < math.inf):
+        if not 0.0 < float(block_lr) < math.inf:
             raise ValueError(f"BMUF: block_lr must be positive and finite, got {block_lr}")
         if not float(bucket_cap_mb) > 0.0:
             raise ValueError(f"BMUF: bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -98,8 +98,7 @@ class BMUF(torch.optim.Optimizer):
 
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
-        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                      "load_state_dict_post"):
+        for hooks in _HOOKS:
             setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
         self._patch_step_function()  # step() fires torch's step hooks, as any optimizer's does
         self.sync_every, self.warmup_steps, self.average_sync = sync_every, warmup_steps, bool(average_sync)
@@ -107,8 +106,8 @@ class BMUF(torch.optim.Optimizer):
         self.bucket_bytes = int(float(bucket_cap_mb) * 2**20)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        gloo = dist.get_backend(process_group) == "gloo"
-        self._check_device = torch.device("cpu") if gloo else self._device
+        backend = dist.get_backend(process_group)  # where the small check tensors live
+        self._check_device = torch.device("cpu") if backend == "gloo" else self._device
         self.comm_bytes = {"all_reduce": 0, "broadcast": 0}
         self._steps = 0
         self._params: list[Tensor] = []
@@ -136,30 +135,32 @@ class BMUF(torch.optim.Optimizer):
         return self._steps
 
     def __repr__(self) -> str:
-        return (f"BMUF(sync_every={self.sync_every}, block_lr={self.block_lr}, block_momentum={self.block_momentum}, "
-                f"nesterov={self.nesterov}, warmup_steps={self.warmup_steps}, average_sync={self.average_sync}, "
-                f"world_size={self.world_size}, optimizer={self.optimizer!r})")
+        options = ", ".join(f"{k}={getattr(self, k)}" for k in (*_OPTIONS, "world_size"))
+        return f"BMUF({options}, optimizer={self.optimizer!r})"
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of BMUF's own state on this rank: the global copy and the block momentum."""
+        sizes = {
+            k: sum(t.numel() * t.element_size() for t in ts or ())
+            for k, ts in (("global", self._global), ("momentum", self._momentum))
+        }
+        return {**sizes, "total": sum(sizes.values())}
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("BMUF does not pickle or deep-copy (it holds a process group): save its state_dict()")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds the group to the local optimizer; its params join the block state as they are now."""
-        known = {id(p) for p in self._params}
-        self.optimizer.add_param_group(param_group)
-        new = [p for p in self._params_of(self.optimizer) if id(p) not in known]
-        try:
-            self._check_params(self._params + new)
-        except Exception:
-            self.optimizer.param_groups.pop()
-            raise
-        self._track(new)
+        raise RuntimeError("BMUF: give the local optimizer all its param groups before building BMUF")
 
     def step(self, closure=None):
         """The local step, then (at the warm-up's end or a block boundary) the sync."""
         if [id(p) for p in self._params] != [id(p) for p in self._params_of(self.optimizer)]:
-            raise RuntimeError("BMUF: the local optimizer's params changed after BMUF was built: add param groups "
-                               "through bmuf.add_param_group")
+            raise RuntimeError(
+                "BMUF: the local optimizer's params changed after BMUF was built (add groups before building it)"
+            )
         loss = self._local_step(closure)
         self._steps += 1
         if self._steps == self.warmup_steps:
@@ -183,12 +184,8 @@ class BMUF(torch.optim.Optimizer):
         if found_inf is not None and found_inf.item() != 0:
             return None  # this rank's grads hold inf/nan: no local update (GradScaler would skip it too)
         if scale is not None:
-            by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-            for p in self._params:
-                if p.grad is not None:
-                    by_dtype[p.grad.dtype].append(p.grad)
             inv = scale.double().reciprocal().float()  # in double, as GradScaler.unscale_ does
-            for grads in by_dtype.values():
+            for grads in _by_dtype([p.grad for p in self._params if p.grad is not None]).values():
                 torch._foreach_mul_(grads, inv.to(grads[0].device))
         return inner.step(closure)
 
@@ -292,26 +289,26 @@ class BMUF(torch.optim.Optimizer):
         mine = torch.zeros(_CHECKS, dtype=torch.float64, device=self._check_device)
         mine[0], mine[1] = self._steps, sum(t.numel() for t in state)
         if check_global and self._global:
-            by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-            for g in self._global:
-                by_dtype[g.dtype].append(g)
             for k, order in ((2, 1), (3, 2)):
-                norms = [n.double() for ts in by_dtype.values() for n in torch._foreach_norm(
-                    ts, order, dtype=torch.float32 if ts[0].element_size() < 4 else None)]
-                mine[k] = torch.stack(norms).sum().to(self._check_device)
+                norms = [
+                    torch._foreach_norm(ts, order, dtype=_at_least_fp32(ts)) for ts in _by_dtype(self._global).values()
+                ]
+                mine[k] = torch.stack([n.double() for ns in norms for n in ns]).sum().to(self._check_device)
         both = torch.cat([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
         self.comm_bytes["all_reduce"] += both.numel() * both.element_size()
         high, low = both[:_CHECKS].tolist(), (-both[_CHECKS:]).tolist()
         if high[0] != low[0]:
-            raise RuntimeError(f"BMUF: the ranks are at different steps at this sync ({low[0]:.0f} to {high[0]:.0f}): "
-                               "they were resumed from different checkpoints or call step() different numbers of times")
+            raise RuntimeError(
+                f"BMUF: the ranks are at different steps at this sync ({low[0]:.0f} to {high[0]:.0f}): resumed "
+                "from different checkpoints, or calling step() different numbers of times"
+            )
         if high[1] != low[1]:
-            raise RuntimeError("BMUF: the ranks' local optimizer states to average differ in size (a param has state "
-                               "on some ranks only: give every param a gradient on every rank)")
+            raise RuntimeError("BMUF: the ranks' optimizer states to average differ in size (state on some ranks only)")
         if high[2:] != low[2:]:
-            raise RuntimeError("BMUF: the ranks' global model copies differ: with warmup_steps=0 every rank must "
-                               "start from the same params (seed them alike, or use warmup_steps > 0)")
+            raise RuntimeError(
+                "BMUF: the ranks' global model copies differ: with warmup_steps=0 they must start from the same params"
+            )
 
     # ------------------------------------------------------------------ params, weights, state
 
@@ -330,8 +327,7 @@ class BMUF(torch.optim.Optimizer):
             raise ValueError(f"BMUF: all params must be on one device, got {sorted(map(str, devices)) or 'none'}")
         for p in params:
             if p.is_sparse or not p.is_floating_point() or not is_dense(p):
-                raise ValueError(f"BMUF: params must be dense floating-point tensors, got {p.dtype} "
-                                 f"{p.layout} of shape {tuple(p.shape)} with strides {p.stride()}")
+                raise ValueError(f"BMUF: params must be dense float tensors, got {p.dtype} {p.layout} {p.stride()}")
         return devices.pop()
 
     def _master_dtype(self, p: Tensor) -> torch.dtype:
@@ -366,27 +362,31 @@ class BMUF(torch.optim.Optimizer):
         out = []
         for p in self._params:
             entry = self.optimizer.state.get(p, {})
-            out += [entry[k] for k in sorted(entry) if k not in ("step", "param") and isinstance(entry[k], Tensor)
-                    and entry[k].is_floating_point() and entry[k].shape == p.shape]
+            tensors = [entry[k] for k in sorted(entry) if k not in ("step", "param") and isinstance(entry[k], Tensor)]
+            out += [t for t in tensors if t.is_floating_point() and t.shape == p.shape]
         return out
 
     def _pg(self) -> dist.ProcessGroup:
         return self.process_group or dist.group.WORLD
 
     def _agree_on_construction(self) -> None:
+        if self.world_size == 1:
+            return
         entries = [("group size", str(self.world_size)), ("local optimizer", type(self.optimizer).__name__)]
-        entries += [(name, repr(getattr(self, name))) for name in (
-            "sync_every", "warmup_steps", "average_sync", "block_lr", "block_momentum", "nesterov", "bucket_bytes")]
+        entries += [(name, repr(getattr(self, name))) for name in (*_OPTIONS, "bucket_bytes")]
         entries.append(("params", str(len(self._params))))
         for i, (p, g) in enumerate(zip(self._params, self._global)):
-            entries.append((f"param {i} shape, dtype, strides, weight dtype",
-                            f"{tuple(p.shape)} {p.dtype} {p.stride()} {g.dtype}"))
+            entries.append(
+                (
+                    f"param {i} (shape, dtype, strides, weight dtype)",
+                    f"{tuple(p.shape)} {p.dtype} {p.stride()} {g.dtype}",
+                )
+            )
         try:
             check_ranks_agree(entries, self.process_group, self._check_device)
         except ValueError as e:  # its text names DistributedFusedAdam, whose check it was written for
             detail = str(e).removeprefix("DistributedFusedAdam: ").split(". Construct DistributedFusedAdam")[0]
-            raise ValueError(f"BMUF: {detail}. Build the model, the local optimizer and BMUF identically on "
-                             "every rank.") from None
+            raise ValueError(f"BMUF: {detail}. Build the model, optimizer and BMUF alike on every rank.") from None
 
     # ------------------------------------------------------------------ state dicts
 
@@ -396,11 +396,12 @@ class BMUF(torch.optim.Optimizer):
     def _make_state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         sd["bmuf"] = {
-            "steps": self._steps, "world_size": self.world_size, "global": list(self._global),
+            "steps": self._steps,
+            "world_size": self.world_size,
+            "global": list(self._global),
             "momentum": None if self._momentum is None else list(self._momentum),
             "initial_state": self._initial_state,
-            **{k: getattr(self, k) for k in ("sync_every", "warmup_steps", "average_sync", "block_lr",
-                                              "block_momentum", "nesterov")},
+            **{k: getattr(self, k) for k in _OPTIONS},
         }
         return sd
 
@@ -413,11 +414,12 @@ class BMUF(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("bmuf") if isinstance(state_dict, dict) else None
         if not isinstance(saved, dict):
-            raise ValueError("BMUF.load_state_dict: not a BMUF state dict (no 'bmuf' entry); a local optimizer's "
-                             "own state dict loads through bmuf.optimizer.load_state_dict")
+            raise ValueError("BMUF.load_state_dict: no 'bmuf' entry (load a local optimizer's own into bmuf.optimizer)")
         if saved.get("world_size") != self.world_size:
-            raise ValueError(f"BMUF.load_state_dict: saved under {saved.get('world_size')} ranks, loading under "
-                             f"{self.world_size}: each rank's local state belongs to its rank; resume on as many")
+            raise ValueError(
+                f"BMUF.load_state_dict: saved under {saved.get('world_size')} ranks, loading under "
+                f"{self.world_size} (each rank's state is its own)"
+            )
         steps = saved.get("steps")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"BMUF.load_state_dict: bad step count {steps!r}")
@@ -425,15 +427,14 @@ class BMUF(torch.optim.Optimizer):
         new_momentum = None
         if self._momentum is not None:
             momentum = saved.get("momentum")
-            new_momentum = ([torch.zeros_like(g) for g in self._global] if momentum is None
-                            else self._converted(momentum, "momentum"))
+            new_momentum = self._converted(momentum, "momentum") if momentum is not None else None
         initial = None
         if steps < self.warmup_steps and not self.average_sync:
             initial = saved.get("initial_state") or {}
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "bmuf"})
         self._steps, self._global, self._initial_state = steps, new_global, _clone(initial)
-        if new_momentum is not None:
-            self._momentum = new_momentum
+        if self._momentum is not None:
+            self._momentum = new_momentum or [torch.zeros_like(g) for g in new_global]
 
     def _converted(self, tensors: Any, name: str) -> list[Tensor]:
         """New tensors in our layout (device, dtype, strides) from saved ones, after checking their shapes."""
@@ -442,10 +443,23 @@ class BMUF(torch.optim.Optimizer):
         out = []
         for i, (t, g) in enumerate(zip(tensors, self._global)):
             if not isinstance(t, Tensor) or t.shape != g.shape or not t.is_floating_point():
-                raise ValueError(f"BMUF.load_state_dict: '{name}' {i} must be a float tensor of shape "
-                                 f"{tuple(g.shape)}, got {t.shape if isinstance(t, Tensor) else type(t).__name__}")
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"BMUF.load_state_dict: '{name}' {i} must be a float tensor of shape {tuple(g.shape)}, got {got}"
+                )
             out.append(torch.empty_like(g).copy_(t))
         return out
+
+
+def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    out: dict[torch.dtype, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        out[t.dtype].append(t)
+    return out
+
+
+def _at_least_fp32(tensors: list[Tensor]) -> torch.dtype | None:
+    return torch.float32 if tensors[0].element_size() < 4 else None  # norms of 16-bit tensors in fp32
 
 
 def _at(tensors: list[Tensor], views: dict[int, Tensor]) -> list[Tensor]:

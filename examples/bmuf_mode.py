@@ -52,8 +52,14 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device, ddp_bytes:
 
     model = fresh()
     local = FusedAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    bmuf = BMUF(local, sync_every=args.sync_every, block_lr=args.block_lr, block_momentum=args.block_momentum,
-                nesterov=True, warmup_steps=args.bmuf_warmup)
+    bmuf = BMUF(
+        local,
+        sync_every=args.sync_every,
+        block_lr=args.block_lr,
+        block_momentum=args.block_momentum,
+        nesterov=True,
+        warmup_steps=args.bmuf_warmup,
+    )
     ddp = DDP(fresh(), bucket_cap_mb=args.bucket_cap_mb)
     ddp.register_comm_hook(None, counting_hook(ddp_bytes))
     adamw = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -64,16 +70,23 @@ def train_bmuf(rank: int, world_size: int, args: argparse.Namespace, device: tor
     corpus = load_corpus()
     ddp_bytes = [0]
     ours, ref = build(args, corpus.vocab_size, device, ddp_bytes)
-    val = [b.to(device) for b in val_batches(corpus.val, args.val_batches, args.batch_size, args.seq_len, rank,
-                                             world_size)]
+    val = [
+        b.to(device) for b in val_batches(corpus.val, args.val_batches, args.batch_size, args.seq_len, rank, world_size)
+    ]
     out = Printer(rank == 0)
     n_params = sum(p.numel() for p in ours.model.parameters())
-    out(f"distopt BMUF(FusedAdam) vs DDP + torch.optim.AdamW: {world_size} {device.type} rank(s) over "
-        f"{dist.get_backend()}, torch {torch.__version__}")
-    out(f"model: TinyGPT, {n_params / 1e6:.2f}M params; global batch {args.batch_size} x {args.seq_len} tokens; "
-        f"{args.steps} steps, lr {args.lr:g}, clip {args.clip:g} (BMUF: each rank's own gradients)")
-    out(f"BMUF: sync every {args.sync_every} steps, block momentum {args.block_momentum:g} (Nesterov), block lr "
-        f"{args.block_lr:g}, warm-up {args.bmuf_warmup} steps")
+    out(
+        f"distopt BMUF(FusedAdam) vs DDP + torch.optim.AdamW: {world_size} {device.type} rank(s) over "
+        f"{dist.get_backend()}, torch {torch.__version__}"
+    )
+    out(
+        f"model: TinyGPT, {n_params / 1e6:.2f}M params; global batch {args.batch_size} x {args.seq_len} tokens; "
+        f"{args.steps} steps, lr {args.lr:g}, clip {args.clip:g} (BMUF: each rank's own gradients)"
+    )
+    out(
+        f"BMUF: sync every {args.sync_every} steps, block momentum {args.block_momentum:g} (Nesterov), block lr "
+        f"{args.block_lr:g}, warm-up {args.bmuf_warmup} steps"
+    )
     out()
     out(f"{'':6}  {'train loss':>22}    {'validation loss':>22}    {'BMUF params':>11}")
     out(f"{'step':>6}  {'BMUF':>11}{'DDP+AdamW':>11}    {'BMUF':>11}{'DDP+AdamW':>11}    {'vs DDP':>11}")
@@ -112,44 +125,63 @@ def train_bmuf(rank: int, world_size: int, args: argparse.Namespace, device: tor
     kib = 1 / 1024
     out()
     out(f"{'':40}{'BMUF':>20}{'DDP+AdamW':>20}")
-    out(f"{'all-reduced per step and rank, counted':40}" + "".join(f"{c / args.steps * kib:>16.1f} KiB"
-                                                                   for c in counted.tolist()))
+    out(
+        f"{'all-reduced per step and rank, counted':40}"
+        + "".join(f"{c / args.steps * kib:>16.1f} KiB" for c in counted.tolist())
+    )
     out(f"{'  formula':40}" + "".join(f"{f / args.steps * kib:>16.1f} KiB" for f in formula))
     out(f"{'  ratio DDP / BMUF':40}{counted[1].item() / max(counted[0].item(), 1):>20.1f}")
     n = timing[0]["n"]
     out(f"{f'time per step, median ({n} steps)':40}" + "".join(f"{1e3 * t['median']:>17.1f} ms" for t in timing))
     spans = [f"{1e3 * t['q1']:.1f} - {1e3 * t['q3']:.1f}" for t in timing]
     out(f"{'  interquartile range':40}" + "".join(f"{s:>17} ms" for s in spans))
-    extra = sum(t.numel() * t.element_size() for t in (*bmuf._global, *(bmuf._momentum or [])))
-    out(f"BMUF's own memory per rank: global copy and block momentum, {extra / 2**20:.2f} MiB; per sync one "
-        f"all-reduce of {param_bytes / 2**20:.2f} MiB in {len(list(bmuf._buckets(bmuf._global)))} bucket(s)")
+    extra = bmuf.memory_report()["total"]
+    out(f"BMUF's own memory per rank (global copy and block momentum): {extra / 2**20:.2f} MiB")
     out()
-    verdict = (f"BMUF's final validation loss {val_losses['BMUF']:.4f} vs DDP+AdamW's {val_losses['DDP']:.4f}: "
-               f"{100 * gap:+.1f}%, tolerance {100 * args.bmuf_tolerance:g}%")
+    verdict = (
+        f"BMUF's final validation loss {val_losses['BMUF']:.4f} vs DDP+AdamW's {val_losses['DDP']:.4f}: "
+        f"{100 * gap:+.1f}%, tolerance {100 * args.bmuf_tolerance:g}%"
+    )
     out(("PASS: " if passed else "FAIL: ") + verdict)
     return passed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("BMUF mode (--bmuf)")
-    group.add_argument("--bmuf", action="store_true",
-                       help="train with distopt.BMUF(FusedAdam) instead of DistributedFusedAdam, next to DDP")
+    group.add_argument(
+        "--bmuf",
+        action="store_true",
+        help="train with distopt.BMUF(FusedAdam) instead of DistributedFusedAdam, next to DDP",
+    )
     group.add_argument("--sync-every", type=int, default=4, help="BMUF: steps between block syncs")
-    group.add_argument("--block-momentum", type=float, default=None,
-                       help="BMUF: block momentum (default: 1 - 1/ranks, Chen & Huo's rule)")
+    group.add_argument(
+        "--block-momentum",
+        type=float,
+        default=None,
+        help="BMUF: block momentum (default: 1 - 1/ranks, Chen & Huo's rule)",
+    )
     group.add_argument("--block-lr", type=float, default=1.0, help="BMUF: block learning rate")
-    group.add_argument("--bmuf-warmup", type=int, default=0, help="BMUF: local steps before rank 0's model is "
-                                                                   "broadcast (0: none, the ranks start alike)")
-    group.add_argument("--bmuf-tolerance", type=float, default=0.05,
-                       help="BMUF: pass if the final validation loss is within this fraction of DDP's")
+    group.add_argument(
+        "--bmuf-warmup",
+        type=int,
+        default=0,
+        help="BMUF: local steps before rank 0's model is broadcast (0: none, the ranks start alike)",
+    )
+    group.add_argument(
+        "--bmuf-tolerance",
+        type=float,
+        default=0.05,
+        help="BMUF: pass if the final validation loss is within this fraction of DDP's",
+    )
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.block_momentum is None:
         args.block_momentum = 1.0 - 1.0 / args.world_size
     if args.sync_every < 1 or args.bmuf_warmup < 0 or not 0 <= args.block_momentum < 1 or args.block_lr <= 0:
-        parser.error("--sync-every must be at least 1, --bmuf-warmup not negative, --block-momentum in [0, 1) "
-                     "and --block-lr positive")
+        parser.error(
+            "--sync-every must be at least 1, --bmuf-warmup not negative, --block-momentum in [0, 1) "
+            "and --block-lr positive"
+        )
     if args.bmuf_tolerance <= 0:
         parser.error("--bmuf-tolerance must be positive")
-

@@ -40,6 +40,7 @@ class Cfg:
     steps: int = 10
     slope: float = 0.5
     scaler: bool = False  # grads scaled by a GradScaler, scaler.step(bmuf)
+    unscale_first: bool = False  # scaler.unscale_(bmuf) before scaler.step(bmuf), as frameworks do
     inf_at: tuple[int, int] | None = None  # (rank, step): that rank's grads hold an inf there
     bucket_cap_mb: float = 64.0
     # what the reference does differently (negative controls)
@@ -144,9 +145,16 @@ class Reference:
 def run_against_reference(rank: int, world: int, cfg: Cfg) -> dict:
     """Trains BMUF and the reference side by side; returns the largest relative error per step."""
     params = make_params(cfg, rank, cfg.dtype)
-    bmuf = BMUF(local_optimizer(cfg.opt, params), sync_every=cfg.sync_every, block_lr=cfg.block_lr,
-                block_momentum=cfg.block_momentum, nesterov=cfg.nesterov, warmup_steps=cfg.warmup_steps,
-                average_sync=cfg.average_sync, bucket_cap_mb=cfg.bucket_cap_mb)
+    bmuf = BMUF(
+        local_optimizer(cfg.opt, params),
+        sync_every=cfg.sync_every,
+        block_lr=cfg.block_lr,
+        block_momentum=cfg.block_momentum,
+        nesterov=cfg.nesterov,
+        warmup_steps=cfg.warmup_steps,
+        average_sync=cfg.average_sync,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+    )
     ref = Reference(cfg, rank, world)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3) if cfg.scaler else None
     errors = []
@@ -157,6 +165,8 @@ def run_against_reference(rank: int, world: int, cfg: Cfg) -> dict:
         for p, g in zip(params, grads):
             p.grad = (g * (scaler.get_scale() if scaler else 1.0)).to(p.dtype)
         if scaler:
+            if cfg.unscale_first:
+                scaler.unscale_(bmuf)
             scaler.step(bmuf)
             scaler.update()
         else:
@@ -164,10 +174,16 @@ def run_against_reference(rank: int, world: int, cfg: Cfg) -> dict:
         ref.step(grads_for(ref.local, cfg, rank, step), skip=cfg.inf_at == (rank, step))
         errors.append(max(((p.double() - r).abs().max() / r.abs().max()).item() for p, r in zip(params, ref.local)))
     state = bmuf.state_dict()["bmuf"]
-    return dict(errors=errors, params=[p.detach().clone() for p in params], comm=dict(bmuf.comm_bytes),
-                glob=[g.clone() for g in state["global"]], wg=ref.Wg,
-                momentum=None if state["momentum"] is None else [m.clone() for m in state["momentum"]],
-                delta=ref.delta, steps=bmuf.step_count)
+    return dict(
+        errors=errors,
+        params=[p.detach().clone() for p in params],
+        comm=dict(bmuf.comm_bytes),
+        glob=[g.clone() for g in state["global"]],
+        wg=ref.Wg,
+        momentum=None if state["momentum"] is None else [m.clone() for m in state["momentum"]],
+        delta=ref.delta,
+        steps=bmuf.step_count,
+    )
 
 
 def tolerance(cfg: Cfg) -> float:
@@ -176,15 +192,19 @@ def tolerance(cfg: Cfg) -> float:
 
 CASES = {
     "sgd-nesterov-2": Cfg(),
-    "sgd-classical-warmup-3": Cfg(world=3, sync_every=2, block_momentum=0.6, block_lr=0.8, nesterov=False,
-                                  warmup_steps=3),
-    "adamw-average-sync-warmup-4": Cfg(world=4, opt="adamw", sync_every=4, block_momentum=0.75, warmup_steps=2,
-                                       average_sync=True, steps=13),
+    "sgd-classical-warmup-3": Cfg(
+        world=3, sync_every=2, block_momentum=0.6, block_lr=0.8, nesterov=False, warmup_steps=3
+    ),
+    "adamw-average-sync-warmup-4": Cfg(
+        world=4, opt="adamw", sync_every=4, block_momentum=0.75, warmup_steps=2, average_sync=True, steps=13
+    ),
     "sgd-plain-average-2": Cfg(sync_every=2, block_momentum=0.0),
     "sgd-block-lr-no-momentum-2": Cfg(block_momentum=0.0, block_lr=0.5),
     "fused-average-sync-3": Cfg(world=3, opt="fused", sync_every=2, average_sync=True),
     "fused-scaler-inf-2": Cfg(opt="fused", scaler=True, inf_at=(1, 4), warmup_steps=2),
     "sgd-scaler-inf-2": Cfg(scaler=True, inf_at=(0, 5), average_sync=True),
+    "fused-unscale-first-inf-2": Cfg(opt="fused", scaler=True, unscale_first=True, inf_at=(0, 3)),
+    "sgd-unscale-first-inf-2": Cfg(scaler=True, unscale_first=True, inf_at=(1, 2)),
     "sgd-one-rank": Cfg(world=1, sync_every=2),
 }
 
@@ -217,8 +237,11 @@ def test_matches_the_reference_after_every_step(name):
 def test_negative_controls_are_caught(control):
     """The reference with one thing changed: the comparison must see it (errors far above tolerance)."""
     cfg = Cfg(sync_every=2, steps=8)
-    change = {"wrong block momentum": dict(ref_block_momentum=0.55), "skipped sync": dict(ref_sync_every=4),
-              "fairseq nesterov": dict(ref_fairseq_nesterov=True)}[control]
+    change = {
+        "wrong block momentum": dict(ref_block_momentum=0.55),
+        "skipped sync": dict(ref_sync_every=4),
+        "fairseq nesterov": dict(ref_fairseq_nesterov=True),
+    }[control]
     results = run_ranks(run_against_reference, 2, args=(replace(cfg, **change),))
     assert max(results[0]["errors"]) > 1e3 * tolerance(cfg), results[0]["errors"]
 
@@ -251,14 +274,19 @@ def train_against_ddp(rank: int, world: int, kind: str, sync_every: int) -> list
     errors = []
     for step in range(8):
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(5, 6, generator=gen, dtype=torch.float64), torch.randn(5, 3, generator=gen,
-                                                                                  dtype=torch.float64)
+        x, y = (
+            torch.randn(5, 6, generator=gen, dtype=torch.float64),
+            torch.randn(5, 3, generator=gen, dtype=torch.float64),
+        )
         for model, o in ((ours, bmuf), (ddp, ddp_opt)):
             o.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             o.step()
-        errors.append(max(((a - b).abs().max() / b.abs().max()).item()
-                          for a, b in zip(ours.parameters(), ddp.module.parameters())))
+        errors.append(
+            max(
+                ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours.parameters(), ddp.module.parameters())
+            )
+        )
     return errors
 
 
@@ -282,8 +310,14 @@ def resume_run(rank: int, world: int, cfg: Cfg, save_at: int | None) -> dict:
     that step (through torch.save), builds fresh objects from other params, loads and goes on."""
 
     def build(params):
-        bmuf = BMUF(local_optimizer(cfg.opt, params), sync_every=cfg.sync_every, block_momentum=cfg.block_momentum,
-                    nesterov=cfg.nesterov, warmup_steps=cfg.warmup_steps, average_sync=cfg.average_sync)
+        bmuf = BMUF(
+            local_optimizer(cfg.opt, params),
+            sync_every=cfg.sync_every,
+            block_momentum=cfg.block_momentum,
+            nesterov=cfg.nesterov,
+            warmup_steps=cfg.warmup_steps,
+            average_sync=cfg.average_sync,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(bmuf, lambda s: 1.0 / (1 + 0.1 * s))
         return bmuf, sched, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
 
@@ -298,8 +332,15 @@ def resume_run(rank: int, world: int, cfg: Cfg, save_at: int | None) -> dict:
         sched.step()
         if step == save_at:
             buffer = io.BytesIO()
-            torch.save({"params": params, "bmuf": bmuf.state_dict(), "sched": sched.state_dict(),
-                        "scaler": scaler.state_dict()}, buffer)
+            torch.save(
+                {
+                    "params": params,
+                    "bmuf": bmuf.state_dict(),
+                    "sched": sched.state_dict(),
+                    "scaler": scaler.state_dict(),
+                },
+                buffer,
+            )
             buffer.seek(0)
             saved = torch.load(buffer, weights_only=True)
             params = [torch.zeros_like(p).requires_grad_() for p in params]  # a fresh model...
@@ -343,8 +384,9 @@ def masters_run(rank: int, world: int) -> list[float]:
     their masters rounded to bf16, and the masters track the reference at fp32 accuracy."""
     cfg = Cfg(opt="fused", sync_every=2, slope=0.0, steps=8)
     params = [p.to(torch.bfloat16).detach().requires_grad_() for p in make_params(cfg, rank, torch.float32)]
-    inner = FusedAdam([{"params": params[:2]}, {"params": params[2:], "lr": 0.02}], lr=0.01, weight_decay=0.01,
-                      master_weights=True)
+    inner = FusedAdam(
+        [{"params": params[:2]}, {"params": params[2:], "lr": 0.02}], lr=0.01, weight_decay=0.01, master_weights=True
+    )
     bmuf = BMUF(inner, sync_every=2, block_momentum=0.5)
     ref = Reference(cfg, rank, world)
     ref.local = [p.detach().to(torch.bfloat16).double().requires_grad_() for p in ref.local]  # start where we do
@@ -381,8 +423,15 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     sgd = torch.optim.SGD(params, lr=0.1)
     expect("not an optimizer", TypeError, lambda: BMUF(params))
     expect("nested", TypeError, lambda: BMUF(BMUF(sgd, sync_every=2)))
-    for kw in (dict(sync_every=0), dict(sync_every=1.5), dict(warmup_steps=-1), dict(block_momentum=1.0),
-               dict(block_lr=0.0), dict(block_lr=float("nan")), dict(bucket_cap_mb=0)):
+    for kw in (
+        dict(sync_every=0),
+        dict(sync_every=1.5),
+        dict(warmup_steps=-1),
+        dict(block_momentum=1.0),
+        dict(block_lr=0.0),
+        dict(block_lr=float("nan")),
+        dict(bucket_cap_mb=0),
+    ):
         expect(str(kw), ValueError, lambda kw=kw: BMUF(sgd, **kw))
     two_devices = [torch.zeros(3, requires_grad=True), torch.zeros(3, device="meta", requires_grad=True)]
     expect("devices", ValueError, lambda: BMUF(torch.optim.SGD(two_devices, lr=0.1)))
@@ -401,10 +450,12 @@ def misuse(rank: int, world: int) -> dict[str, str]:
 
     # loads that fail change nothing
     good = copy.deepcopy(bmuf.state_dict())
-    for name, edit in (("world size", lambda d: d["bmuf"].update(world_size=3)),
-                       ("shape", lambda d: d["bmuf"]["global"].__setitem__(0, torch.zeros(2))),
-                       ("not bmuf", lambda d: d.pop("bmuf")),
-                       ("inner", lambda d: d["param_groups"].pop())):
+    for name, edit in (
+        ("world size", lambda d: d["bmuf"].update(world_size=3)),
+        ("shape", lambda d: d["bmuf"]["global"].__setitem__(0, torch.zeros(2))),
+        ("not bmuf", lambda d: d.pop("bmuf")),
+        ("inner", lambda d: d["param_groups"].pop()),
+    ):
         bad = copy.deepcopy(good)
         edit(bad)
         expect(f"load {name}", ValueError, lambda bad=bad: bmuf.load_state_dict(bad))
@@ -434,5 +485,25 @@ def test_misuse_gets_clear_errors():
     assert "must be a float tensor of shape (7, 5)" in msgs["load shape"]
     assert "no 'bmuf' entry" in msgs["load not bmuf"]
     assert "parameter groups" in msgs["load inner"]
-    assert "bmuf.add_param_group" in msgs["params changed"]
+    assert "params changed after BMUF was built" in msgs["params changed"]
     assert "global model copies differ" in msgs["start apart"]
+
+
+@pytest.mark.cuda
+def test_block_update_on_cuda_matches_the_cpu(nccl_group):
+    """The _foreach block update and the master write-back on CUDA (fused multi-tensor kernels) against the
+    same BMUF on the CPU, in one process (a group of one: no collectives, the same algorithm)."""
+    results = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        params = [torch.randn(s, device=device).requires_grad_() for s in [(257, 3), (1000,), (5,)]]
+        inner = FusedAdam(params, lr=0.01)
+        bmuf = BMUF(inner, sync_every=2, block_momentum=0.7, block_lr=0.9)
+        for step in range(6):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            bmuf.step()
+        results[device] = [p.detach().cpu() for p in params] + [g.cpu() for g in bmuf.state_dict()["bmuf"]["global"]]
+    for a, b in zip(results["cpu"], results["cuda"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
