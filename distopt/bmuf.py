@@ -20,7 +20,7 @@ rank runs the same algorithm without collectives (fairseq skips it).
 
 Costs: the global copy and, if ``block_momentum != 0``, the momentum (param-sized, in the weight
 dtype); per sync one all-reduce of every param byte in flat one-dtype buckets of ``bucket_cap_mb``,
-plus a 64-byte rank check (DDP: every gradient byte every step). The block update is torch
+plus a 64-byte rank check read on the host (DDP: every gradient byte every step). The block update is torch
 ``_foreach`` ops per bucket: fused multi-tensor-apply kernels on CUDA, per-tensor loops on the CPU.
 With ``FusedAdam(master_weights=True)`` the fp32 masters are the weights synced (16-bit params are
 written from them); a warm-up reset drops them with the rest of the state (they restart from the

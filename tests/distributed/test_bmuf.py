@@ -507,3 +507,24 @@ def test_block_update_on_cuda_matches_the_cpu(nccl_group):
         results[device] = [p.detach().cpu() for p in params] + [g.cpu() for g in bmuf.state_dict()["bmuf"]["global"]]
     for a, b in zip(results["cpu"], results["cuda"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def subgroups_run(rank: int, world: int) -> list[torch.Tensor]:
+    """Ranks {0, 1} and {2, 3} run two independent BMUFs: the warm-up broadcasts from each group's first
+    rank (global ranks 0 and 2), and syncs average within the group only."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cfg = Cfg(warmup_steps=1)
+    params = make_params(cfg, rank, torch.float64)  # rank-dependent values
+    bmuf = BMUF(local_optimizer("sgd", params), process_group=groups[rank // 2], sync_every=2, warmup_steps=1)
+    for step in range(1, 5):
+        for p, g in zip(params, grads_for(params, cfg, rank, step)):
+            p.grad = g
+        bmuf.step()
+    assert bmuf.world_size == 2
+    return [p.detach().clone() for p in params]
+
+
+def test_process_group_subsets_sync_within_their_group():
+    out = run_ranks(subgroups_run, 4)
+    same = [all(torch.equal(a, b) for a, b in zip(out[i], out[j])) for i, j in ((0, 1), (2, 3), (0, 2))]
+    assert same == [True, True, False]
