@@ -142,19 +142,15 @@ class Reference:
                 self._average_state()
 
 
+def make_bmuf(cfg: Cfg, params: list[torch.Tensor]) -> BMUF:
+    names = ("sync_every", "block_lr", "block_momentum", "nesterov", "warmup_steps", "average_sync", "bucket_cap_mb")
+    return BMUF(local_optimizer(cfg.opt, params), **{k: getattr(cfg, k) for k in names})
+
+
 def run_against_reference(rank: int, world: int, cfg: Cfg) -> dict:
     """Trains BMUF and the reference side by side; returns the largest relative error per step."""
     params = make_params(cfg, rank, cfg.dtype)
-    bmuf = BMUF(
-        local_optimizer(cfg.opt, params),
-        sync_every=cfg.sync_every,
-        block_lr=cfg.block_lr,
-        block_momentum=cfg.block_momentum,
-        nesterov=cfg.nesterov,
-        warmup_steps=cfg.warmup_steps,
-        average_sync=cfg.average_sync,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-    )
+    bmuf = make_bmuf(cfg, params)
     ref = Reference(cfg, rank, world)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3) if cfg.scaler else None
     errors = []
@@ -310,14 +306,7 @@ def resume_run(rank: int, world: int, cfg: Cfg, save_at: int | None) -> dict:
     that step (through torch.save), builds fresh objects from other params, loads and goes on."""
 
     def build(params):
-        bmuf = BMUF(
-            local_optimizer(cfg.opt, params),
-            sync_every=cfg.sync_every,
-            block_momentum=cfg.block_momentum,
-            nesterov=cfg.nesterov,
-            warmup_steps=cfg.warmup_steps,
-            average_sync=cfg.average_sync,
-        )
+        bmuf = make_bmuf(cfg, params)
         sched = torch.optim.lr_scheduler.LambdaLR(bmuf, lambda s: 1.0 / (1 + 0.1 * s))
         return bmuf, sched, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
 
@@ -423,19 +412,29 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     sgd = torch.optim.SGD(params, lr=0.1)
     expect("not an optimizer", TypeError, lambda: BMUF(params))
     expect("nested", TypeError, lambda: BMUF(BMUF(sgd, sync_every=2)))
-    for kw in (
-        dict(sync_every=0),
-        dict(sync_every=1.5),
-        dict(warmup_steps=-1),
-        dict(block_momentum=1.0),
-        dict(block_lr=0.0),
-        dict(block_lr=float("nan")),
-        dict(bucket_cap_mb=0),
-    ):
+    bad = [dict(sync_every=0), dict(sync_every=1.5), dict(warmup_steps=-1), dict(block_momentum=1.0)]
+    for kw in bad + [dict(block_lr=0.0), dict(block_lr=float("nan")), dict(bucket_cap_mb=0)]:
         expect(str(kw), ValueError, lambda kw=kw: BMUF(sgd, **kw))
     two_devices = [torch.zeros(3, requires_grad=True), torch.zeros(3, device="meta", requires_grad=True)]
     expect("devices", ValueError, lambda: BMUF(torch.optim.SGD(two_devices, lr=0.1)))
     expect("ranks disagree", ValueError, lambda: BMUF(sgd, sync_every=2 + rank))
+
+    # torch's optimizer hooks fire on BMUF as on any optimizer
+    calls = []
+    hooked = BMUF(torch.optim.SGD(params, lr=0.1), sync_every=3)
+    for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre"):
+        getattr(hooked, f"register_{kind}_hook")(lambda *args, kind=kind: calls.append(kind))
+    hooked.register_load_state_dict_post_hook(lambda opt: calls.append("load_state_dict_post"))
+    hooked.step()
+    hooked.load_state_dict(hooked.state_dict())
+    assert calls == [
+        "step_pre",
+        "step_post",
+        "state_dict_pre",
+        "state_dict_post",
+        "load_state_dict_pre",
+        "load_state_dict_post",
+    ]
 
     # ranks resumed from different blocks: both reach a sync at their 2nd call, at steps 2 and 4
     bmuf = BMUF(torch.optim.SGD(params, lr=0.1), sync_every=2)
