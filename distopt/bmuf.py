@@ -15,8 +15,9 @@ and ``m`` the block momentum:
 then every rank's params become ``w`` (and with ``average_sync`` the optimizer state is averaged too).
 The Nesterov form is the paper's (the next block starts from ``W(t) + block_momentum * Delta(t)``),
 i.e. torch's SGD nesterov on the block gradient; fairseq's ``use_nbm`` omits taking back the previous
-look-ahead. ``block_momentum=0, block_lr=1`` syncs to the plain average (all-reducing the params). One
-rank runs the same algorithm without collectives (fairseq skips it).
+look-ahead. ``block_momentum=0, block_lr=1`` syncs to the plain average (all-reducing the params); with
+``block_momentum=0`` fairseq ignores ``block_lr``, here it applies. One rank runs the same algorithm
+without collectives (fairseq skips the syncs).
 
 Costs: the global copy and, if ``block_momentum != 0``, the momentum (param-sized, in the weight
 dtype); per sync one all-reduce of every param byte in flat one-dtype buckets of ``bucket_cap_mb``,
