@@ -127,7 +127,7 @@ class GradSync:
             bucket.accumulate(piece, src)
             if syncing:
                 bucket.synced.add(i)
-        if self.contiguous and self.in_no_sync:
+        if self.contiguous and self.in_no_sync and self.layout.param_pieces[i]:  # (none: no elements)
             piece = self.layout.param_pieces[i][0]  # contiguous buffers never split a param
             p.grad = self.buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
             self._grad_views.add(i)

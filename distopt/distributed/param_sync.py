@@ -95,7 +95,7 @@ class ParamSync:
         self.index = {p: i for i, p in enumerate(params)}
         self.overlap = overlap
         self.buckets: list[BucketRuntime] = []
-        self.first_bucket: list[int] = []  # per param: the first bucket holding it
+        self.first_bucket: list[int] = []  # per param: the first bucket holding it (-1: no elements)
         self.pending: list[int] = []  # buckets still to gather, with overlap
         self.skip_if: Tensor | None = None  # capturable: the step was skipped, copy nothing back
         self.seen: set[int] = set()  # params some module needs (see the Note)
@@ -128,7 +128,7 @@ class ParamSync:
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
         self.buckets = buckets
-        self.first_bucket = [min(piece.bucket for piece in pieces) for pieces in layout.param_pieces]
+        self.first_bucket = [min((piece.bucket for piece in pieces), default=-1) for pieces in layout.param_pieces]
         self._update_orphan_bucket()
 
     # ------------------------------------------------------------------ forward hooks
@@ -149,8 +149,9 @@ class ParamSync:
             self._observed_ours = self._observed_ours or bool(needs)
         if not self.pending:
             return
-        if needs and self.first_bucket:
-            self._gather_for(min(self.first_bucket[i] for i in needs), "forward_wait")
+        first = [self.first_bucket[i] for i in needs if self.first_bucket and self.first_bucket[i] >= 0]
+        if first:
+            self._gather_for(min(first), "forward_wait")
 
     def _used(self, t: Tensor) -> None:
         i = self.index.get(t)
@@ -217,8 +218,9 @@ class ParamSync:
             self._update_orphan_bucket()
 
     def _update_orphan_bucket(self) -> None:
-        if self.first_bucket and self.orphans:
-            self._orphan_bucket = min(self.first_bucket[i] for i in self.orphans)
+        first = [self.first_bucket[i] for i in self.orphans if self.first_bucket and self.first_bucket[i] >= 0]
+        if first:
+            self._orphan_bucket = min(first)
 
     # ------------------------------------------------------------------ gathers
 
