@@ -70,6 +70,7 @@ class BucketRuntime:
         contiguous_grad_buffer: bool,
         contiguous_param_buffer: bool,
         keep_param_buffer: bool = False,
+        local: bool = False,
     ) -> None:
         self.index = index
         self.spec = spec
@@ -83,8 +84,12 @@ class BucketRuntime:
         # A CUDA graph that gathers in the next forward reads the buffer its step wrote: it must stay.
         self.keep_param_buffer = contiguous_param_buffer or keep_param_buffer
         self.params = frozenset(p.param for p in spec.pieces)
+        # One rank holds the whole bucket (its shard is the bucket): reductions are the identity, and
+        # the update can write the model params themselves (see ``in_place``).
+        self.local = local
         self.state: ShardState | None = None
         self.runs: list[tuple[int, int, int]] = []  # (param group, start, end) in the shard
+        self.direct_cache: tuple | None = None  # in_place buckets' kernel lists (update.direct_entries)
 
         self.grad_buffer: Tensor | None = None
         self.written: set[int] = set()  # params accumulated into grad_buffer in this window
@@ -96,6 +101,7 @@ class BucketRuntime:
 
         self.param_buffer: Tensor | None = None
         self._ag_work: dist.Work | None = None
+        self._grad_offset = 0  # grad_buffer's storage offset (accumulate_param views it by offset)
         if contiguous_grad_buffer:
             self.grad_buffer = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
         if contiguous_param_buffer:
@@ -108,9 +114,15 @@ class BucketRuntime:
 
     def _open_window(self) -> None:
         """A zeroed grad buffer for a new accumulation window: params that send nothing, and the
-        padding, reduce as zeros."""
-        if self.grad_buffer is None:
+        padding, reduce as zeros. A one-rank bucket whose fp32 grad shard holds no reduced grads yet
+        accumulates straight into that shard (its reduction is the identity: no buffer, no copy)."""
+        if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid:
+            self.grad_buffer = self.state.grad
+            self.grad_buffer.zero_()
+            self._grad_offset = self.grad_buffer.storage_offset()
+        elif self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
+            self._grad_offset = 0
         elif self.fresh:
             self.grad_buffer.zero_()
         self.fresh = False
@@ -129,6 +141,21 @@ class BucketRuntime:
             view.copy_(src)
         self.written.add(piece.param)
 
+    def accumulate_param(self, piece: Piece, grad: Tensor, param: Tensor) -> None:
+        """``accumulate`` for a piece that is the whole param: one strided copy (or add) of `grad`, in
+        whatever layout autograd made it, into the param's elements in memory order (no flattening,
+        no slicing: the per-param cost of every backward)."""
+        assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
+        self._open_window()
+        view = self.grad_buffer.as_strided(param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
+        if self.contiguous_grad and view.data_ptr() == grad.data_ptr():
+            pass  # the grad is already this view (accumulated in place under no_sync)
+        elif piece.param in self.written:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+        self.written.add(piece.param)
+
     def ready(self) -> bool:
         """Every param of the bucket has delivered its grad in this synchronising backward (and the
         bucket is not reducing an earlier one: a launch forgets who delivered, see below)."""
@@ -141,7 +168,9 @@ class BucketRuntime:
         if divide_by != 1:
             self.grad_buffer.div_(divide_by)
         state = self.state
-        if not state.grad_valid and self.grad_dtype == torch.float32:
+        if self.local:
+            self._rs_out = self.grad_buffer  # one rank: the reduce-scatter returns its input
+        elif not state.grad_valid and self.grad_dtype == torch.float32:
             self._rs_out = state.grad  # reduce straight into the fp32 grad shard
         else:
             self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -178,6 +207,13 @@ class BucketRuntime:
             self.grad_buffer = None
 
     # ------------------------------------------------------------------ parameters
+
+    @property
+    def in_place(self) -> bool:
+        """The update leaves the model params current, so there is nothing to gather: one rank whose
+        params are the buffer (contiguous_param_buffer), or whose kernel writes them directly (their
+        own masters, or written from the masters in their own dtype, as the gather would have)."""
+        return self.local and (self.contiguous_param or self.param_dtype == self.spec.group[2])
 
     def local_param_slice(self) -> Tensor:
         """This rank's slice of the param buffer, allocating the buffer if it is transient."""

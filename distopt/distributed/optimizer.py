@@ -301,7 +301,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
-                              keep_param_buffer=self.capturable and self.overlap_param_sync)
+                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local)
             b.state = ShardState.zeros(spec.shard_numel, self.device,
                                        master=self._stores_master(param_dtype, model_dtype),
                                        remainders=self._stores_remainders(param_dtype, model_dtype))
@@ -392,7 +392,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
         kernel = ops.adam_step_capturable_ if self.capturable else ops.adam_step_
-        for (group_index, _), lists in update.kernel_lists(self._buckets, self._params,
+        for (group_index, _), lists in update.kernel_lists(self._buckets, self._params, self._group_of,
                                                            self.contiguous_param_buffer).items():
             hyper = update.group_hyperparameters(self.param_groups[group_index], grad_scale, kernel)
             if self.capturable:
@@ -507,7 +507,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Writes the model params from the buckets' param slices, as after a step (at once, or
         before the next forward with overlap_param_sync)."""
-        self._param_sync.after_step(None)
+        self._param_sync.after_step(None, publish=True)
 
     # ------------------------------------------------------------------ reporting
 
