@@ -56,7 +56,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         to True itself for CUDA params, which changes nothing here).
 
     Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
-    count: lr and the steps reach the kernel as tensors (the capturable op), and the state is created
+    count: lr and the steps reach the kernel as tensors it reads on the device, and the state is created
     outside the graph (``_init_group``). A float lr changed by a scheduler costs one recompile, when
     Dynamo first sees it change (it guards on every float in ``param_groups``, as for torch.optim);
     a tensor lr (``lr=torch.tensor(1e-3)``, updated in place by schedulers) costs none.
@@ -303,7 +303,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                 if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
                     self._graph_lrs = [g["lr"] for g in self.param_groups]
                 torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
-                ops.adam_step_capturable_(**lists, lr=lr, steps=steps, found_inf=found_inf, **hyper)
+                ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             else:
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
                 torch._foreach_add_(steps, 1)
@@ -322,12 +322,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     state = self._init_state(p)
-                    if state["step"].device != p.device:  # Dynamo moves them too (capturable op: one device)
+                    if state["step"].device != p.device:  # Dynamo moves them too (the op reads them there)
                         state["step"] = state["step"].to(p.device)
 
     def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
         """The step under torch.compile: lr and the step counts reach the kernel as tensors (the
-        capturable op), so the graph neither reads them back (.item() breaks it) nor guards on them."""
+        op reads them on the device), so the graph neither reads them back (.item() breaks it) nor guards on them."""
         hyper = self._hyper(group, grad_scale)
         lr = group["lr"]
         if isinstance(lr, Tensor):
@@ -337,8 +337,8 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         for key, entries in self._buckets(params, grads, eager=False).items():
             steps = [s["step"] for _, _, s in entries]
             torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
-            ops.adam_step_capturable_(**self._lists(entries, has_master=key[2]), lr=lr, steps=steps,
-                                      found_inf=found_inf, **hyper)
+            ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
+                           **hyper)
 
     # ------------------------------------------------------------------ pickling, state dicts
 

@@ -391,15 +391,15 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         return loss
 
     def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-        kernel = ops.adam_step_capturable_ if self.capturable else ops.adam_step_
         for (group_index, _), lists in update.kernel_lists(self._buckets, self._params, self._group_of,
                                                            self.contiguous_param_buffer).items():
-            hyper = update.group_hyperparameters(self.param_groups[group_index], grad_scale, kernel)
-            if self.capturable:
-                lr = self._graph_safe_lr(group_index)
-                kernel(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]), found_inf=found_inf, **hyper)
+            group = self.param_groups[group_index]
+            hyper = update.group_hyperparameters(group, grad_scale)
+            if self.capturable:  # the kernel reads lr and the step from the GPU
+                ops.adam_step_(**lists, lr=self._graph_safe_lr(group_index), step=self._step_tensor,
+                               found_inf=found_inf, **hyper)
             else:
-                kernel(**lists, lr=float(self.param_groups[group_index]["lr"]), step=self._step_count, **hyper)
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, **hyper)
 
     def _graph_safe_lr(self, index: int) -> Tensor:
         """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -83,19 +80,8 @@ def direct_entries(b: BucketRuntime, params: list[Tensor], group_of: list[int]) 
     return calls
 
 
-def group_hyperparameters(group: dict[str, Any], grad_scale: Tensor, kernel: Callable) -> dict[str, Any]:
+def group_hyperparameters(group: dict[str, Any], grad_scale: Tensor) -> dict[str, Any]:
     """The kernel's keyword arguments for one param group (lr and step aside)."""
     beta1, beta2 = group["betas"]
-    hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                 adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
-    if group["maximize"] and kernel_takes_maximize(kernel):
-        hyper["maximize"] = True
-    elif group["maximize"]:  # the kernel computes g = grad * grad_scale: -grad_scale negates g, exactly
-        hyper["grad_scale"] = -grad_scale
-    return hyper
-
-
-@functools.cache
-def kernel_takes_maximize(kernel: Callable) -> bool:
-    """Whether the op wrapper has a ``maximize`` argument (distopt.ops gains one in a later version)."""
-    return "maximize" in inspect.signature(kernel).parameters
+    return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)
