@@ -117,8 +117,9 @@ class BucketRuntime:
         padding, reduce as zeros. A one-rank bucket whose fp32 grad shard holds no reduced grads yet
         accumulates straight into that shard (its reduction is the identity: no buffer, no copy)."""
         if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid:
+            # Not zeroed: a param's first grad is copied in, its padding is zero (nothing else
+            # writes there), and the params that deliver none are zeroed at the launch.
             self.grad_buffer = self.state.grad
-            self.grad_buffer.zero_()
             self._grad_offset = self.grad_buffer.storage_offset()
         elif self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
@@ -168,6 +169,10 @@ class BucketRuntime:
         if divide_by != 1:
             self.grad_buffer.div_(divide_by)
         state = self.state
+        if self.grad_buffer is state.grad:  # accumulated in place (see _open_window)
+            for piece in self.spec.pieces if len(self.written) < len(self.params) else ():
+                if piece.param not in self.written:
+                    self.grad_view(piece).zero_()
         if self.local:
             self._rs_out = self.grad_buffer  # one rank: the reduce-scatter returns its input
         elif not state.grad_valid and self.grad_dtype == torch.float32:
