@@ -102,6 +102,7 @@ class BucketRuntime:
         self.param_buffer: Tensor | None = None
         self._ag_work: dist.Work | None = None
         self._grad_offset = 0  # grad_buffer's storage offset (accumulate_param views it by offset)
+        self._shard_views: dict[int, Tensor] = {}  # accumulate_param's views of state.grad, by param
         if contiguous_grad_buffer:
             self.grad_buffer = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
         if contiguous_param_buffer:
@@ -148,7 +149,13 @@ class BucketRuntime:
         no slicing: the per-param cost of every backward)."""
         assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
         self._open_window()
-        view = self.grad_buffer.as_strided(param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
+        if self.grad_buffer is self.state.grad:  # a persistent buffer: its views are made once
+            view = self._shard_views.get(piece.param)
+            if view is None:
+                view = self._shard_views[piece.param] = self.grad_buffer.as_strided(
+                    param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
+        else:
+            view = self.grad_buffer.as_strided(param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
         if self.contiguous_grad and view.data_ptr() == grad.data_ptr():
             pass  # the grad is already this view (accumulated in place under no_sync)
         elif piece.param in self.written:

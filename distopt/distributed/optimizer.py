@@ -190,7 +190,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                                average_grad_sync)
         # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
         self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync)
-        self._grads.on_grad = self._param_sync.check_fresh
+        if overlap_param_sync:  # check_fresh does nothing otherwise: no call per param
+            self._grads.on_grad = self._param_sync.check_fresh
 
     # ------------------------------------------------------------------ setup
 
