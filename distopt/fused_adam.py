@@ -55,6 +55,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         Set for the whole optimizer: ``group["capturable"]`` only mirrors it (torch.compile sets it
         to True itself for CUDA params, which changes nothing here).
 
+    The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state
+    step does no Python work per param, only whole-list checks that the gradients are as planned;
+    adding groups, loading state or changing a param's dtype rebuilds them.
+
     Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
     count: lr and the steps reach the kernel as tensors it reads on the device, and the state is created
     outside the graph (``_init_group``). A float lr changed by a scheduler costs one recompile, when

@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from .. import ops
 from .buckets import BucketRuntime, flat
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import DistributedFusedAdam
+
 KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remainders")
+
+
+def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes)."""
+    for (group_index, _), lists in kernel_lists(opt._buckets, opt._params, opt._group_of,
+                                                opt.contiguous_param_buffer).items():
+        group = opt.param_groups[group_index]
+        hyper = group_hyperparameters(group, grad_scale)
+        if opt.capturable:  # the kernel reads lr and the step from the GPU
+            ops.adam_step_(**lists, lr=opt._graph_safe_lr(group_index), step=opt._step_tensor, found_inf=found_inf,
+                           **hyper)
+        else:
+            ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
+
+
+def check_param_sizes(params: list[Tensor], numels: list[int]) -> None:
+    """Raises if a param's size changed since the layout was built (one whole-list comparison)."""
+    if list(map(Tensor.numel, params)) == numels:
+        return
+    for i, (p, numel) in enumerate(zip(params, numels)):
+        if p.numel() != numel:
+            raise RuntimeError(f"param {i} changed size after the bucket layout was built "
+                               f"({p.numel()} elements now, {numel} in the layout)")
 
 
 def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: list[int],
