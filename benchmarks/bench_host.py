@@ -2,7 +2,8 @@
 memory bandwidth, decide the time (many small params), on one thread by default.
 
 Rows (each a pair timed in one run, alternating A/B repetitions after a warm-up, so both see the
-same machine load; the ratio is distopt's median over torch's):
+same machine load; the ratio is the median, with the 10th and 90th percentiles, of the ratios of
+each repetition's back-to-back pair, distopt's time over torch's):
   fused_small   FusedAdam.step vs torch AdamW(fused=True).step, 10,000 params x 16 fp32 elements
   fused_medium  the same, 1,000 x 4,096
   dfa_ws1       DistributedFusedAdam at world size 1 (gloo, in this process) vs FusedAdam: a whole
@@ -89,7 +90,9 @@ class Row:
     torch_ms: float
     torch_p10_ms: float
     torch_p90_ms: float
-    ratio: float  # distopt median / torch median
+    ratio: float  # median of the repetitions' distopt / torch ratios (each pair ran back to back)
+    ratio_p10: float
+    ratio_p90: float
     target: float
     max_abs_diff: float  # between the two contenders' params after the run
     reps: int
@@ -136,6 +139,7 @@ def max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
 
 def make_row(case: Case, times: dict[str, list[float]], diff: float, reference: Sequence[Tensor]) -> Row:
     ours, theirs = summarize(times["distopt"]), summarize(times["torch"])
+    pairs = summarize([a / b for a, b in zip(times["distopt"], times["torch"])])
     scale = max(float(p.detach().abs().max()) for p in reference)
     if not diff <= ATOL + RTOL * scale:
         raise AssertionError(f"{case.name}: the two optimizers' params differ by {diff:g} after the same steps")
@@ -152,7 +156,9 @@ def make_row(case: Case, times: dict[str, list[float]], diff: float, reference: 
         theirs.median_ms,
         theirs.p10_ms,
         theirs.p90_ms,
-        ours.median_ms / theirs.median_ms,
+        pairs.median_ms,
+        pairs.p10_ms,
+        pairs.p90_ms,
         TARGETS[case.name],
         diff,
         ours.reps,
@@ -255,7 +261,7 @@ _COLUMNS = (
     ("p10-p90", 15),
     ("torch ms", 10),
     ("p10-p90", 15),
-    ("ratio", 6),
+    ("ratio (pairs p10-p90)", 21),
     ("target", 7),
     ("vs", 24),
 )
@@ -271,7 +277,7 @@ def _format(r: Row) -> str:
             f"{r.distopt_p10_ms:.3g}-{r.distopt_p90_ms:.3g}",
             f"{r.torch_ms:.4g}",
             f"{r.torch_p10_ms:.3g}-{r.torch_p90_ms:.3g}",
-            f"{r.ratio:.2f}x",
+            f"{r.ratio:.2f}x ({r.ratio_p10:.2f}-{r.ratio_p90:.2f})",
             f"<={r.target}x",
             r.torch,
         ),
@@ -284,7 +290,7 @@ def plot(path: Path, rows: Sequence[Row], title: str) -> bool:
     panels = {
         "distopt (ms)": ([r.distopt_ms for r in rows], [(r.distopt_p10_ms, r.distopt_p90_ms) for r in rows]),
         "torch / peer (ms)": ([r.torch_ms for r in rows], [(r.torch_p10_ms, r.torch_p90_ms) for r in rows]),
-        "ratio (lower is better)": ([r.ratio for r in rows], None),
+        "ratio (lower is better)": ([r.ratio for r in rows], [(r.ratio_p10, r.ratio_p90) for r in rows]),
     }
     return plot_bars(path, labels, panels, title)
 

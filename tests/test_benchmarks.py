@@ -93,7 +93,8 @@ def test_bench_host_quick(tmp_path: Path) -> None:
         for key in ("distopt_ms", "distopt_p10_ms", "distopt_p90_ms", "torch_ms", "torch_p10_ms", "torch_p90_ms"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert row["distopt_p10_ms"] <= row["distopt_ms"] <= row["distopt_p90_ms"], row
-        assert math.isclose(row["ratio"], row["distopt_ms"] / row["torch_ms"]), row
+        assert row["ratio_p10"] <= row["ratio"] <= row["ratio_p90"], row
+        assert row["ratio_p10"] > 0, row
         assert row["max_abs_diff"] < 1e-3 and row["reps"] >= 1, row
     assert set(meta["met"]) == HOST_CASES
 
