@@ -100,6 +100,7 @@ class BucketRuntime:
         self._rs_out: Tensor | None = None
 
         self.param_buffer: Tensor | None = None
+        self._copy_plans: dict[str, tuple] = {}  # copy_lists' model sides and buffer geometry
         self._ag_work: dist.Work | None = None
         self._grad_offset = 0  # grad_buffer's storage offset (accumulate_param views it by offset)
         self._shard_views: dict[int, Tensor] = {}  # accumulate_param's views of state.grad, by param
@@ -235,11 +236,37 @@ class BucketRuntime:
 
     def gather_in(self, params: list[Tensor]) -> None:
         """Copies this rank's part of the model params into its param-buffer slice (padding zeroed)."""
-        local = self.local_param_slice()
-        local.zero_()
-        srcs = [flat(params[f.param])[f.param_offset : f.param_offset + f.numel] for f in self.fragments]
-        dsts = [local[f.shard_offset : f.shard_offset + f.numel] for f in self.fragments]
-        ops.cast_copy_(srcs, dsts)
+        self.local_param_slice().zero_()
+        ops.cast_copy_(*self.copy_lists("gather_in", params))
+
+    def copy_lists(self, which: str, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """(sources, destinations) of the copies between the model params and the param buffer:
+        "gather_in" (this rank's fragments into its slice) or "scatter_out" (every piece out of the
+        gathered buffer). A param held whole is passed as itself (the buffer as a view of its shape
+        and strides), so the model side is built once; a param split over buckets is passed as a view
+        of its data, rebuilt when its storage moves. The buffer is transient: its views are made here,
+        one call per piece."""
+        plan = self._copy_plans.get(which)
+        if plan is None or plan[1] != tuple(params[i].data_ptr() for i in plan[0]):
+            if which == "gather_in":
+                places = [(f.param, f.param_offset, self.lo + f.shard_offset, f.numel) for f in self.fragments]
+            else:
+                places = [(p.param, p.param_offset, p.bucket_offset, p.numel) for p in self.spec.pieces]
+            model, geometry, split = [], [], []
+            for i, param_offset, offset, numel in places:
+                p = params[i]
+                if numel == p.numel():
+                    model.append(p)
+                    geometry.append((p.shape, p.stride(), offset))
+                else:
+                    split.append(i)
+                    model.append(flat(p.detach())[param_offset : param_offset + numel])
+                    geometry.append(((numel,), (1,), offset))
+            plan = self._copy_plans[which] = (split, tuple(params[i].data_ptr() for i in split), model, geometry)
+        model, geometry = plan[2], plan[3]
+        base = self.param_buffer.storage_offset()
+        views = [self.param_buffer.as_strided(shape, stride, base + offset) for shape, stride, offset in geometry]
+        return (model, views) if which == "gather_in" else (views, model)
 
     def launch_gather(self, comm: Comm) -> None:
         self._ag_work = comm.all_gather(self.param_buffer, self.param_buffer[self.lo : self.hi], self.index)
@@ -254,10 +281,7 @@ class BucketRuntime:
         self._ag_work = None
         comm.event("all_gather_done", self.index)
         if not self.contiguous_param:
-            pieces = self.spec.pieces
-            srcs = [self.param_buffer[p.bucket_offset : p.bucket_offset + p.numel] for p in pieces]
-            dsts = [flat(params[p.param])[p.param_offset : p.param_offset + p.numel] for p in pieces]
-            ops.cast_copy_(srcs, dsts, skip_if=skip_if)
+            ops.cast_copy_(*self.copy_lists("scatter_out", params), skip_if=skip_if)
             if not self.keep_param_buffer:
                 self.param_buffer = None
 

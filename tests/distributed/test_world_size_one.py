@@ -365,3 +365,21 @@ def bf16_sync_case(rank: int, world_size: int) -> None:
 
 def test_bf16_param_sync_rounds_at_world_size_one():
     run_ranks(bf16_sync_case, 1)
+
+
+def replaced_storage_two_ranks(rank: int, world_size: int) -> None:
+    """With two ranks, the copies between the params and the gathered buffer (whose model side is
+    built once) follow params whose .data is replaced, split over buckets or not."""
+    models = make(torch.float32), make(torch.float32)
+    opts = [DistributedFusedAdam(m.parameters(), lr=1e-2, bucket_cap_mb=TINY_BUCKET_MB) for m in models]
+    for i, (model, opt) in enumerate(zip(models, opts)):
+        train(model, opt, range(2))
+        if i == 0:
+            for p in model.parameters():
+                p.data = p.data.clone()
+        train(model, opt, range(2, 4))
+    assert_bitwise(snapshot(models[0], opts[0]), snapshot(models[1], opts[1]))
+
+
+def test_replaced_param_storage_is_followed_on_two_ranks():
+    run_ranks(replaced_storage_two_ranks, 2)
