@@ -41,6 +41,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     gradients are averaged by reduce-scatters that overlap the backward pass, each rank updates its
     shard with one fused kernel, and the updated params are all-gathered into the model.
 
+    On a one-rank shard group (world size 1, or hybrid sharding with shards of one rank) the
+    reduce-scatter and all-gather are the identity and are skipped: gradients accumulate into the
+    shard and the update writes the model params in place, bit for bit what FusedAdam computes.
+
     Names follow apex's DistributedFusedAdam, so apex users switch by changing an import; every
     torch.optim.AdamW argument is accepted too. Defaults:
       lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2: torch.optim.AdamW's.
@@ -190,7 +194,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                                average_grad_sync)
         # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
         self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync)
-        self._grads.on_grad = self._param_sync.check_fresh
+        if overlap_param_sync:  # check_fresh does nothing otherwise: no call per param
+            self._grads.on_grad = self._param_sync.check_fresh
 
     # ------------------------------------------------------------------ setup
 
@@ -301,7 +306,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
-                              keep_param_buffer=self.capturable and self.overlap_param_sync)
+                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local)
             b.state = ShardState.zeros(spec.shard_numel, self.device,
                                        master=self._stores_master(param_dtype, model_dtype),
                                        remainders=self._stores_remainders(param_dtype, model_dtype))
@@ -361,7 +366,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_param_shapes()
+        update.check_param_sizes(self._params, self._layout_numels)
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
         self.grad_sync()
@@ -383,23 +388,12 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             return loss
         else:
             self._step_count += 1
-        self._update(grad_scale, found_inf if self.capturable else None)
+        update.update_shards(self, grad_scale, found_inf if self.capturable else None)
         self._end_step()
 
         # capturable: a skipped step must write nothing back into the params
         self._param_sync.after_step(found_inf if self.capturable else None)
         return loss
-
-    def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-        for (group_index, _), lists in update.kernel_lists(self._buckets, self._params,
-                                                           self.contiguous_param_buffer).items():
-            group = self.param_groups[group_index]
-            hyper = update.group_hyperparameters(group, grad_scale)
-            if self.capturable:  # the kernel reads lr and the step from the GPU
-                ops.adam_step_(**lists, lr=self._graph_safe_lr(group_index), step=self._step_tensor,
-                               found_inf=found_inf, **hyper)
-            else:
-                ops.adam_step_(**lists, lr=float(group["lr"]), step=self._step_count, **hyper)
 
     def _graph_safe_lr(self, index: int) -> Tensor:
         """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""
@@ -440,12 +434,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         result = torch.cat([total.square().reshape(1), flag])
         self.comm.all_reduce_sum(result)
         return result
-
-    def _check_param_shapes(self) -> None:
-        for i, (p, numel) in enumerate(zip(self._params, self._layout_numels)):
-            if p.numel() != numel:
-                raise RuntimeError(f"param {i} changed size after the bucket layout was built "
-                                   f"({p.numel()} elements now, {numel} in the layout)")
 
     # ------------------------------------------------------------------ param sync
 
@@ -508,7 +496,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Writes the model params from the buckets' param slices, as after a step (at once, or
         before the next forward with overlap_param_sync)."""
-        self._param_sync.after_step(None)
+        self._param_sync.after_step(None, publish=True)
 
     # ------------------------------------------------------------------ reporting
 

@@ -158,7 +158,7 @@ def test_negative_control_without_learning_stale_reads_are_caught():
     gather lands: the step-1 loss comparison sees the stale value (and were it not compared, the
     gather's version bump makes autograd refuse the backward through it)."""
     with pytest.raises(AssertionError, match="step 1 loss: Scalars are not close"):
-        run_ranks(train, 1, ("functional_and_tied", False))
+        run_ranks(train, 2, ("functional_and_tied", False))  # one rank has nothing to gather: no stale read
 
 
 def read_before_any_module(rank: int, world_size: int, overlap: bool) -> list[torch.Tensor]:
