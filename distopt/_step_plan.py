@@ -7,16 +7,19 @@ combination of dtypes), the param, moment, master and step lists, and what it ex
 gradients. Each later step re-reads ``.grad`` (autograd makes new gradient tensors every backward
 after ``zero_grad()``) and checks them against the plan with whole-list operations (``map`` over C
 getters, no Python loop per param): every planned param has a gradient of the planned dtype, shape,
-strides, layout and device, and no unplanned param got one. The plan itself is dropped when the
+strides, layout and device, and no unplanned param got one; the groups hold the planned params and
+the state the planned tensors (identity checks over whole lists: a param swapped into a group or a
+state tensor replaced by assignment would otherwise be missed). The plan itself is dropped when the
 optimizer's structure changes: param groups added or their param lists resized, the state loaded,
 replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout,
-a param that gained or lost its gradient) takes the general way for that step, which raises the
-precise errors and builds a new plan.
+a param that gained or lost its gradient, a replaced tensor) takes the general way for that step,
+which raises the precise errors and builds a new plan.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,11 +51,17 @@ class Call:
     grad_dtype: torch.dtype
     shapes: list[torch.Size]
     strides: list[tuple[int, ...]]
+    entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
     last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
     # Eager steps: the call's params share one step count, and their step tensors are views of this
     # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
     # longer than the update itself).
     step_storage: Tensor | None = None
+
+    def state_lists(self) -> list[tuple[str, list[Tensor]]]:
+        """(state key, the planned tensors under it) for every state tensor the call uses."""
+        lists = [("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
+        return lists + ([("param", self.params)] if self.param_outs else [])
 
     def grads(self, device: torch.device) -> list[Tensor] | None:
         """The current grads if they are what the plan expects, else None."""
@@ -76,10 +85,19 @@ class StepPlan:
     key: tuple
     calls: list[Call]
     unplanned: list[Tensor]  # params that had no gradient when the plan was built
+    params: list[Tensor]  # every group's params, in order, when the plan was built
+    entries: list[dict[str, Any]]  # the state's per-param dicts, in its order, when the plan was built
 
-    def current(self, key: tuple, device: torch.device) -> list[tuple[Call, list[Tensor]]] | None:
+    def current(self, key: tuple, device: torch.device, groups: list[dict[str, Any]], state: Any
+                ) -> list[tuple[Call, list[Tensor]]] | None:
         """[(call, grads)] for this step, or None where the plan does not describe it."""
         if key != self.key:
+            return None
+        # A param swapped into a group's list, or a state tensor replaced (opt.state[p]["exp_avg"] = ...),
+        # keeps the key: the plan would update the old tensors. Identity checks, whole lists at a time.
+        if not all(map(operator.is_, itertools.chain.from_iterable(g["params"] for g in groups), self.params)):
+            return None
+        if not all(map(operator.is_, state.values(), self.entries)):  # (no Tensor.__hash__: no Python calls)
             return None
         if not all(map(_is_none, map(_grad, self.unplanned))):
             return None
@@ -87,6 +105,9 @@ class StepPlan:
         for call in self.calls:
             if set(map(_dtype, call.model_params)) != {call.param_dtype}:
                 return None
+            for name, planned in call.state_lists():
+                if not all(map(operator.is_, map(operator.methodcaller("get", name), call.entries), planned)):
+                    return None
             storage = call.step_storage
             if storage is not None and not bool((storage == storage[0]).all()):
                 return None  # a step count was changed in place: the general step takes each as it is
@@ -125,6 +146,7 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
                 call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
                 entries[key_] = []
             entries[key_].append(s)
+            call.entries.append(s)
             call.model_params.append(p)
             call.params.append(s["param"] if master else p)
             call.exp_avgs.append(s["exp_avg"])
@@ -140,4 +162,5 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(entries[key_], call.steps):
                 s["step"] = step
-    return StepPlan(key, list(calls.values()), unplanned)
+    return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
+                    list(state.values()))

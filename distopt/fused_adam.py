@@ -227,7 +227,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     def _planned_calls(self) -> list[tuple[_step_plan.Call, list[Tensor]]] | None:
         if self._plan is None:
             return None
-        return self._plan.current(self._plan_key(), self._device)
+        return self._plan.current(self._plan_key(), self._device, self.param_groups, self.state)
 
     def _run_call(self, call: _step_plan.Call, grads: list[Tensor], grad_scale, found_inf) -> None:
         """One planned kernel call: the lists of _step_group, without building them."""

@@ -45,9 +45,13 @@ class Counter:
 
 
 def scenario(opt: FusedAdam, params: list[nn.Parameter], extra: nn.Parameter) -> list[dict[str, torch.Tensor]]:
-    """Thirteen steps with a change before most; a snapshot of params and state after each."""
+    """Fifteen steps with a change before most; a snapshot of params and state after each."""
     snapshots, saved = [], None
-    for step in range(13):
+    for step in range(15):
+        if step == 14:  # a new param swapped into a group's list (same list, same length)
+            new = nn.Parameter(params[3].detach().clone() + 1)
+            opt.param_groups[1]["params"][1] = new
+            params[3] = new
         if step == 3:  # the same grad tensors, changed in place
             for p in params:
                 p.grad.mul_(0.5)
@@ -80,6 +84,11 @@ def scenario(opt: FusedAdam, params: list[nn.Parameter], extra: nn.Parameter) ->
             params[2].grad = grad_for(params[2], step, 2, torch.float32)  # an fp32 grad for a bf16 param
         if step == 11:
             next(iter(opt.state.values()))["step"].add_(3)  # one step count edited in place
+        if step == 12:  # a param's whole state replaced by a new dict (same keys, one moment doubled)
+            old = opt.state[params[0]]
+            opt.state[params[0]] = {**{k: v.clone() for k, v in old.items()}, "exp_avg_sq": old["exp_avg_sq"] * 2}
+        if step == 13:  # a moment replaced by assignment, not in place
+            opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"] * 0.5
         opt.step()
         if step == 2:
             saved = opt.state_dict()

@@ -63,6 +63,7 @@ def _train(rank: int, world_size: int, overlap: bool, contiguous: bool) -> int:
     return checks
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("overlap, contiguous", [(False, False), (True, False), (False, True)])
-def test_empty_params_train_like_ddp(overlap: bool, contiguous: bool) -> None:
-    assert all(c > 0 for c in run_ranks(_train, 2, (overlap, contiguous)))
+def test_empty_params_train_like_ddp(overlap: bool, contiguous: bool, world_size: int) -> None:
+    assert all(c > 0 for c in run_ranks(_train, world_size, (overlap, contiguous)))
