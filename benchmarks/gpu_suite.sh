@@ -91,7 +91,7 @@ import torch
 from distopt import ops
 from distopt.reference import split_bf16_remainder
 
-OPS = ("adam_step_", "adam_step_capturable_", "l2norm", "scale_", "cast_copy_")
+OPS = ("adam_step_", "l2norm", "scale_", "cast_copy_")
 assert all(ops.has_kernel(op, "cuda") for op in OPS), "distopt._C has no CUDA kernels"
 torch.manual_seed(0)
 SIZES = [1, 3, 17, 4099, 70001] + [33] * 150
@@ -123,7 +123,7 @@ def adam(param, grad, out, remainder=False, adam_w=True, capturable=False):
     kw = dict(param_outs=make(out, 1) if out else (), param_remainders=rems, weight_decay=0.01,
               adam_w_mode=adam_w, grad_scale=scalar(0.5), found_inf=scalar(0.0))
     if capturable:
-        ops.adam_step_capturable_(*args, lr=scalar(1e-3), steps=[scalar(3.0)] * len(SIZES), **kw)
+        ops.adam_step_(*args, lr=scalar(1e-3), step=[scalar(3.0)] * len(SIZES), **kw)
     else:
         ops.adam_step_(*args, lr=1e-3, step=3, **kw)
 

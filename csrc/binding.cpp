@@ -2,7 +2,6 @@
 #include "binding.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -84,40 +83,87 @@ std::vector<int64_t> numels(at::TensorList list) {
   return n;
 }
 
-// Runs `cpu()` or `cuda(stream)` for the device of the op's tensors.
-template <typename Cpu, typename Cuda>
-void on_device(const at::Device& device, const char* op, Cpu&& cpu, Cuda&& cuda) {
+}  // namespace
+
+// The kernels of each device behind one interface, so each op is written once (a template) and
+// registered per device type (registration.cpp). distopt._C_emulated has only the CUDA ones.
+#if !defined(DISTOPT_EMULATED)
+struct CpuKernels {
+  static void adam(const at::Device&, const TensorLists& tl, const AdamArgs& args) { adam_cpu(tl, args); }
+  static void l2norm(const at::Device&, const TensorLists& tl, float* total, float* per_tensor, float* found_inf) {
+    l2norm_cpu(tl, total, per_tensor, found_inf);
+  }
+  static void scale(const at::Device&, const TensorLists& tl, const ScaleArgs& args) { scale_cpu(tl, args); }
+};
+#endif
+
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
+struct CudaKernels {
+  // Runs `launch(stream)` on the current stream of `device` (in the emulator: CPU tensors, no stream).
+  template <typename Launch>
+  static void on_stream(const at::Device& device, Launch&& launch) {
 #if defined(DISTOPT_EMULATED)
-  // distopt._C_emulated: CPU tensors go to the CUDA kernels, which the SIMT emulator runs.
-  (void)cpu;
-  if (device.is_cpu()) {
-    cuda(nullptr);
-    return;
-  }
+    (void)device;
+    launch(nullptr);
 #else
-  if (device.is_cpu()) {
-    cpu();
-    return;
-  }
-#endif
-#if defined(DISTOPT_WITH_CUDA) && !defined(DISTOPT_EMULATED)
-  if (device.is_cuda()) {
+    TORCH_CHECK_VALUE(device.is_cuda(), "expected CUDA tensors, got tensors on ", device);
     const c10::cuda::CUDAGuard guard(device);
-    cuda(static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+    launch(static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+#endif
+  }
+  static void adam(const at::Device& device, const TensorLists& tl, const AdamArgs& args) {
+    on_stream(device, [&](void* stream) { adam_cuda(tl, args, stream); });
+  }
+  static void l2norm(const at::Device& device, const TensorLists& tl, float* total, float* per_tensor,
+                     float* found_inf) {
+    const at::Tensor workspace =
+        at::empty({l2norm_cuda_workspace_floats(tl)}, at::TensorOptions().dtype(at::kFloat).device(device));
+    on_stream(device, [&](void* stream) {
+      l2norm_cuda(tl, total, per_tensor, found_inf, workspace.data_ptr<float>(), stream);
+    });
+  }
+  static void scale(const at::Device& device, const TensorLists& tl, const ScaleArgs& args) {
+    on_stream(device, [&](void* stream) { scale_cuda(tl, args, stream); });
+  }
+};
+#endif
+
+namespace {
+
+// lr: on the CPU it is read now (an eager step); on the params' device the kernel reads it (a
+// capturable step: no host sync; a captured graph replays with the value it holds then).
+void set_lr(AdamArgs& args, const at::Tensor& lr, const at::Device& device) {
+  if (!lr.is_cpu()) {
+    args.lr_ptr = scalar_ptr(lr, device, "lr");
     return;
   }
-#else
-  (void)cuda;
-#endif
-  TORCH_CHECK(false, "distopt::", op, ": no kernel for device ", device);
+  TORCH_CHECK_VALUE(lr.numel() == 1, "lr: expected one element, got ", lr.numel());
+  args.lr = lr.item<double>();
+  TORCH_CHECK_VALUE(args.lr >= 0.0, "lr must be >= 0, got ", args.lr);
 }
 
-void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-               at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
-               AdamArgs& args, at::TensorList steps, const std::optional<at::Tensor>& grad_scale,
-               const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& lr) {
-  TORCH_CHECK_VALUE(!params.empty(), "adam_step_: expected at least one param");
-  const at::Device device = params[0].device();
+// steps count this update (>= 1): one for every entry, or one per entry. A single step on the CPU is
+// read now (an eager step); otherwise they are float32 scalars on the params' device, read by the
+// kernel (the same tensor may appear for many entries).
+void set_steps(AdamArgs& args, at::TensorList steps, size_t count, const at::Device& device) {
+  TORCH_CHECK_VALUE(steps.size() == 1 || steps.size() == count,
+                    "steps: expected one step tensor, or one per param (", count, "), got ", steps.size());
+  if (steps.size() == 1 && steps[0].is_cpu()) {
+    TORCH_CHECK_VALUE(steps[0].numel() == 1, "steps[0]: expected one element, got ", steps[0].numel());
+    args.step = steps[0].item<double>();
+    TORCH_CHECK_VALUE(args.step >= 1.0, "step counts this update and must be >= 1, got ", args.step);
+    return;
+  }
+  args.steps.dtype = DType::Float32;
+  args.steps.data.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    args.steps.data.push_back(scalar_ptr(steps[steps.size() == 1 ? 0 : i], device, "steps[i]"));
+  }
+}
+
+// Checks and describes the lists of an adam_step_ call (see kernels.h for their roles).
+TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders) {
   TensorLists tl;
   tl.lists.resize(kNumAdamLists);
   tl.lists[kParam] = describe(params, params, "params", "float");
@@ -147,26 +193,8 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                           exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
                       "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
   }
-  if (!steps.empty()) {
-    TORCH_CHECK_VALUE(steps.size() == params.size(), "steps: expected ", params.size(),
-                      " tensors, got ", steps.size());
-    args.steps.dtype = DType::Float32;
-    for (size_t i = 0; i < steps.size(); ++i) {
-      args.steps.data.push_back(scalar_ptr(steps[i], device, "steps[i]"));
-    }
-  }
-  args.lr_ptr = scalar_ptr(lr, device, "lr");
-  args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
-  args.found_inf = scalar_ptr(found_inf, device, "found_inf");
   tl.numel = numels(params);
-  on_device(
-      device, "adam_step_", [&] { adam_cpu(tl, args); },
-      [&](void* stream) {
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-        adam_cuda(tl, args, stream);
-#endif
-        (void)stream;
-      });
+  return tl;
 }
 
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
@@ -185,11 +213,9 @@ AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay
   return h;
 }
 
-void scale_impl(at::TensorList inputs, at::TensorList outputs, ScaleArgs& args, const char* op,
-                const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& flag,
-                bool flag_is_output) {
+// Checks and describes the lists of a scale_/cast_copy_ call.
+TensorLists describe_scale(at::TensorList inputs, at::TensorList outputs, const char* op) {
   TORCH_CHECK_VALUE(!inputs.empty(), op, ": expected at least one input");
-  const at::Device device = inputs[0].device();
   TensorLists tl;
   tl.lists = {describe(inputs, inputs, "inputs", "float"), describe(outputs, inputs, "outputs", "float")};
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -203,56 +229,31 @@ void scale_impl(at::TensorList inputs, at::TensorList outputs, ScaleArgs& args, 
                       op, ": outputs[", i, "] partially overlaps inputs[", i, "]");
   }
   tl.numel = numels(inputs);
-  args.scale = scalar_ptr(scale, device, "scale");
-  float* f = scalar_ptr(flag, device, flag_is_output ? "found_inf" : "skip_if");
-  if (flag_is_output) {
-    args.found_inf_out = f;
-  } else {
-    args.skip_if = f;
-  }
-  on_device(
-      device, op, [&] { scale_cpu(tl, args); },
-      [&](void* stream) {
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-        scale_cuda(tl, args, stream);
-#endif
-        (void)stream;
-      });
+  return tl;
 }
 
 }  // namespace
 
+template <typename Kernels>
 void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
-                double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf, bool maximize) {
-  TORCH_CHECK_VALUE(lr >= 0.0, "lr must be >= 0, got ", lr);
-  TORCH_CHECK_VALUE(step >= 1, "step counts this update and must be >= 1, got ", step);
+                const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
+                double weight_decay, bool adam_w_mode, bool maximize,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  TORCH_CHECK_VALUE(!params.empty(), "adam_step_: expected at least one param");
+  const at::Device device = params[0].device();
   AdamArgs args;
   args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
-  args.lr = lr;
-  args.step = static_cast<double>(step);
-  adam_impl(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, args, {}, grad_scale,
-            found_inf, std::nullopt);
+  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders);
+  set_lr(args, lr, device);
+  set_steps(args, steps, params.size(), device);
+  args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
+  args.found_inf = scalar_ptr(found_inf, device, "found_inf");
+  Kernels::adam(device, tl, args);
 }
 
-void adam_step_capturable_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList param_outs,
-                           at::TensorList param_remainders, const at::Tensor& lr, double beta1,
-                           double beta2, double eps, double weight_decay, at::TensorList steps,
-                           bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf, bool maximize) {
-  AdamArgs args;
-  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
-  TORCH_CHECK_VALUE(steps.size() == params.size(), "steps: expected one step tensor per param (",
-                    params.size(), "), got ", steps.size());
-  adam_impl(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, args, steps,
-            grad_scale, found_inf, lr);
-}
-
-std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
-                                          const std::optional<at::Tensor>& found_inf) {
+template <typename Kernels>
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const std::optional<at::Tensor>& found_inf) {
   TORCH_CHECK_VALUE(!tensors.empty(), "l2norm: expected at least one tensor");
   const at::Device device = tensors[0].device();
   TensorLists tl;
@@ -262,29 +263,47 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
   at::Tensor total = at::empty({}, opts);
   at::Tensor per_tensor = at::empty({static_cast<int64_t>(tensors.size())}, opts);
   float* flag = scalar_ptr(found_inf, device, "found_inf");
-  on_device(
-      device, "l2norm",
-      [&] { l2norm_cpu(tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag); },
-      [&](void* stream) {
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-        at::Tensor workspace = at::empty({l2norm_cuda_workspace_floats(tl)}, opts);
-        l2norm_cuda(tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag,
-                    workspace.data_ptr<float>(), stream);
-#endif
-        (void)stream;
-      });
+  Kernels::l2norm(device, tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag);
   return {total, per_tensor};
 }
 
+template <typename Kernels>
 void scale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
             const std::optional<at::Tensor>& found_inf) {
+  const TensorLists tl = describe_scale(inputs, outputs, "scale_");
+  const at::Device device = inputs[0].device();
   ScaleArgs args;
-  scale_impl(inputs, outputs, args, "scale_", scale, found_inf, /*flag_is_output=*/true);
+  args.scale = scalar_ptr(scale, device, "scale");
+  args.found_inf_out = scalar_ptr(found_inf, device, "found_inf");
+  Kernels::scale(device, tl, args);
 }
 
+template <typename Kernels>
 void cast_copy_(at::TensorList inputs, at::TensorList outputs, const std::optional<at::Tensor>& skip_if) {
+  const TensorLists tl = describe_scale(inputs, outputs, "cast_copy_");
+  const at::Device device = inputs[0].device();
   ScaleArgs args;
-  scale_impl(inputs, outputs, args, "cast_copy_", std::nullopt, skip_if, /*flag_is_output=*/false);
+  args.skip_if = scalar_ptr(skip_if, device, "skip_if");
+  Kernels::scale(device, tl, args);
 }
+
+// The instantiations registration.cpp registers.
+#define DISTOPT_INSTANTIATE(Kernels)                                                                      \
+  template void adam_step_<Kernels>(at::TensorList, at::TensorList, at::TensorList, at::TensorList,      \
+                                    at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,    \
+                                    double, double, double, double, bool, bool,                           \
+                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);  \
+  template std::tuple<at::Tensor, at::Tensor> l2norm<Kernels>(at::TensorList,                             \
+                                                              const std::optional<at::Tensor>&);          \
+  template void scale_<Kernels>(at::TensorList, at::TensorList, const at::Tensor&,                       \
+                                const std::optional<at::Tensor>&);                                        \
+  template void cast_copy_<Kernels>(at::TensorList, at::TensorList, const std::optional<at::Tensor>&);
+
+#if !defined(DISTOPT_EMULATED)
+DISTOPT_INSTANTIATE(CpuKernels)
+#endif
+#if defined(DISTOPT_HAS_CUDA_KERNELS)
+DISTOPT_INSTANTIATE(CudaKernels)
+#endif
 
 }  // namespace distopt

@@ -1,5 +1,6 @@
 // The thin ATen layer: op implementations that validate at::Tensor arguments, describe them as
-// plain TensorLists and call the CPU or CUDA kernels. Registered in registration.cpp.
+// plain TensorLists and call the kernels of one device. Registered in registration.cpp: the
+// dispatcher picks the device (CPU or CUDA) from the tensors, each registration names its kernels.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,25 +10,26 @@
 
 namespace distopt {
 
+// Which kernels an op implementation calls: `CpuKernels` (csrc/cpu) or `CudaKernels` (csrc/cuda,
+// on a CUDA device; in distopt._C_emulated, run by the SIMT emulator on CPU tensors).
+struct CpuKernels;
+struct CudaKernels;
+
+template <typename Kernels>
 void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
-                double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf, bool maximize);
+                const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
+                double weight_decay, bool adam_w_mode, bool maximize,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
 
-void adam_step_capturable_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList param_outs,
-                           at::TensorList param_remainders, const at::Tensor& lr, double beta1,
-                           double beta2, double eps, double weight_decay, at::TensorList steps,
-                           bool adam_w_mode, const std::optional<at::Tensor>& grad_scale,
-                           const std::optional<at::Tensor>& found_inf, bool maximize);
+template <typename Kernels>
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const std::optional<at::Tensor>& found_inf);
 
-std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
-                                          const std::optional<at::Tensor>& found_inf);
-
+template <typename Kernels>
 void scale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
             const std::optional<at::Tensor>& found_inf);
 
+template <typename Kernels>
 void cast_copy_(at::TensorList inputs, at::TensorList outputs, const std::optional<at::Tensor>& skip_if);
 
 }  // namespace distopt

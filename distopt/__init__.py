@@ -3,7 +3,8 @@
 import torch  # noqa: F401  (torch must be loaded before the extension)
 
 from . import ops
+from .bmuf import BMUF
 from .distributed import DistributedFusedAdam
 from .fused_adam import FusedAdam
 
-__all__ = ["DistributedFusedAdam", "FusedAdam", "ops"]
+__all__ = ["BMUF", "DistributedFusedAdam", "FusedAdam", "ops"]

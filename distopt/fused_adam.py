@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _step_plan, ops
 from ._state_dicts import check_saved_groups, load_with_hooks, restore_hyperparameters
 from ._validation import (
     FLOAT_DTYPES,
@@ -26,7 +26,7 @@ from .grad_scaling import GradScaling
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
 _PICKLED = ("master_weights", "capturable", "_device", "_inv_scale", "_clip_coef", "_found_inf", "_unscaled", "_clips")
-_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs")
+_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan")
 
 
 class FusedAdam(GradScaling, torch.optim.Optimizer):
@@ -55,8 +55,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         Set for the whole optimizer: ``group["capturable"]`` only mirrors it (torch.compile sets it
         to True itself for CUDA params, which changes nothing here).
 
+    The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state
+    step does no Python work per param, only whole-list checks that the gradients are as planned;
+    adding groups, loading state or changing a param's dtype rebuilds them.
+
     Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
-    count: lr and the steps reach the kernel as tensors (the capturable op), and the state is created
+    count: lr and the steps reach the kernel as tensors it reads on the device, and the state is created
     outside the graph (``_init_group``). A float lr changed by a scheduler costs one recompile, when
     Dynamo first sees it change (it guards on every float in ``param_groups``, as for torch.optim);
     a tensor lr (``lr=torch.tensor(1e-3)``, updated in place by schedulers) costs none.
@@ -102,6 +106,8 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
+        self._plan: _step_plan.StepPlan | None = None  # the steady state's kernel lists (_step_plan.py)
+        self._plan_epoch = 0  # bumped when the plan must go: groups added, state loaded
 
     def _check_params(self, params: list[Tensor]) -> None:
         self._device = check_param_tensors(params, "FusedAdam") or torch.device("cpu")
@@ -123,6 +129,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         where = f"FusedAdam param_groups[{index}]: "
         reconcile_weight_decay_switch(param_group, where)
         super().add_param_group(param_group)
+        self._plan_epoch = getattr(self, "_plan_epoch", 0) + 1
         group = self.param_groups[-1]
         try:
             all_params = [p for g in self.param_groups for p in g["params"]]
@@ -181,15 +188,15 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                 loss = closure()
 
         # Everything is checked before anything (state included) is touched.
-        work = []
         for index, group in enumerate(self.param_groups):
             check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             check_adamw_options(group, f"FusedAdam param_groups[{index}]: ")
-            params = [p for p in group["params"] if p.grad is not None]
-            work.append((group, params, [self._check_grad(p) for p in params]))
+        compiling = torch.compiler.is_compiling()
+        planned = None if compiling else self._planned_calls()
+        work = self._work() if planned is None else None
 
         grad_scale, found_inf = self._amp_scalars()
-        if torch.compiler.is_compiling():
+        if compiling:
             self._init_group()
             for group, params, grads in work:
                 if params:
@@ -201,11 +208,53 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             self._reset_grad_scaling()
             return loss  # an inf/nan step: nothing changes, the step counters included
 
-        for index, (group, params, grads) in enumerate(work):
-            if params:
-                self._step_group(index, group, params, grads, grad_scale, found_inf)
+        if planned is not None:
+            for call, grads in planned:
+                self._run_call(call, grads, grad_scale, found_inf)
+        else:
+            for index, (group, params, grads) in enumerate(work):
+                if params:
+                    self._step_group(index, group, params, grads, grad_scale, found_inf)
+            self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
+
+    # ------------------------------------------------------------------ the planned (steady-state) step
+
+    def _plan_key(self) -> tuple:
+        return _step_plan.plan_key(self.param_groups, self.state, self._plan_epoch)
+
+    def _planned_calls(self) -> list[tuple[_step_plan.Call, list[Tensor]]] | None:
+        if self._plan is None:
+            return None
+        return self._plan.current(self._plan_key(), self._device, self.param_groups, self.state)
+
+    def _run_call(self, call: _step_plan.Call, grads: list[Tensor], grad_scale, found_inf) -> None:
+        """One planned kernel call: the lists of _step_group, without building them."""
+        group = self.param_groups[call.group]
+        hyper = self._hyper(group, grad_scale)
+        lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
+                     param_outs=call.param_outs)
+        if self.capturable:
+            lr = self._capturable_lr(call.group)
+            torch._foreach_add_(call.steps, 1 if found_inf is None else 1 - found_inf)
+            ops.adam_step_(**lists, lr=lr, step=call.steps, found_inf=found_inf, **hyper)
+            return
+        lr = float(group["lr"])
+        call.step_storage.add_(1)  # every param's step (views of it), counting this update
+        try:
+            ops.adam_step_(**lists, lr=lr, step=call.steps[0], **hyper)  # one CPU scalar: read at launch
+        except Exception:
+            call.step_storage.sub_(1)  # the op checks everything before writing: undo the count
+            raise
+
+    def _work(self) -> list[tuple[dict, list[Tensor], list[Tensor]]]:
+        """(group, params with a gradient, their checked gradients) per group: the general step's lists."""
+        work = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            work.append((group, params, [self._check_grad(p) for p in params]))
+        return work
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if torch.compiler.is_compiling():
@@ -298,15 +347,22 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             lists = self._lists(entries, has_master=key[2])
             steps = [s["step"] for _, _, s in entries]
             if self.capturable:
-                check_graph_lr(self.param_groups, self._graph_lrs, index)
-                lr = group["lr"] = self._device_lr(group["lr"], self._device)  # a number set after construction
-                if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
-                    self._graph_lrs = [g["lr"] for g in self.param_groups]
+                lr = self._capturable_lr(index)
                 torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
-                ops.adam_step_capturable_(**lists, lr=lr, steps=steps, found_inf=found_inf, **hyper)
+                ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             else:
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
                 torch._foreach_add_(steps, 1)
+
+    def _capturable_lr(self, index: int) -> Tensor:
+        """The group's lr as a device tensor (a number set after construction becomes one); remembers
+        the tensors a CUDA graph captures, and refuses one replaced since."""
+        check_graph_lr(self.param_groups, self._graph_lrs, index)
+        group = self.param_groups[index]
+        lr = group["lr"] = self._device_lr(group["lr"], self._device)
+        if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
+            self._graph_lrs = [g["lr"] for g in self.param_groups]
+        return lr
 
     # ------------------------------------------------------------------ torch.compile
 
@@ -322,12 +378,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     state = self._init_state(p)
-                    if state["step"].device != p.device:  # Dynamo moves them too (capturable op: one device)
+                    if state["step"].device != p.device:  # Dynamo moves them too (the op reads them there)
                         state["step"] = state["step"].to(p.device)
 
     def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
         """The step under torch.compile: lr and the step counts reach the kernel as tensors (the
-        capturable op), so the graph neither reads them back (.item() breaks it) nor guards on them."""
+        op reads them on the device), so the graph neither reads them back (.item() breaks it) nor guards on them."""
         hyper = self._hyper(group, grad_scale)
         lr = group["lr"]
         if isinstance(lr, Tensor):
@@ -337,8 +393,8 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         for key, entries in self._buckets(params, grads, eager=False).items():
             steps = [s["step"] for _, _, s in entries]
             torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
-            ops.adam_step_capturable_(**self._lists(entries, has_master=key[2]), lr=lr, steps=steps,
-                                      found_inf=found_inf, **hyper)
+            ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
+                           **hyper)
 
     # ------------------------------------------------------------------ pickling, state dicts
 
@@ -354,6 +410,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         super().__setstate__(state)
         for key in _TRANSIENT:
             self.__dict__.setdefault(key, None)
+        self.__dict__.setdefault("_plan_epoch", 0)
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -388,6 +445,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             new_state[p] = self._convert_state(p, saved)
 
         self.state = defaultdict(dict, new_state)
+        self._plan_epoch += 1
         if self.capturable:  # a float set after construction becomes the device tensor first
             for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)

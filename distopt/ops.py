@@ -10,8 +10,8 @@ the current CUDA stream and never synchronise with the host.
 Conventions shared by all ops:
   * list arguments hold same-dtype tensors on one device; entries at the same index have the same
     shape and strides (any dense layout, e.g. channels_last, is walked in memory order);
-  * ``grad_scale``, ``found_inf``, ``skip_if``, ``scale``, ``lr`` and ``steps`` are float32
-    one-element tensors on that device;
+  * ``grad_scale``, ``found_inf``, ``skip_if`` and ``scale`` are float32 one-element tensors on
+    that device; ``lr`` and ``steps`` too, or one-element CPU tensors read when the op runs;
   * ``found_inf`` as an input means "skip": a nonzero value makes the op write nothing at all.
 """
 
@@ -28,15 +28,9 @@ from . import reference
 _SCHEMAS = {
     "adam_step_": (
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, float lr, float beta1, float beta2, "
-        "float eps, float weight_decay, int step, bool adam_w_mode, Tensor? grad_scale, "
-        "Tensor? found_inf, bool maximize=False) -> ()"
-    ),
-    "adam_step_capturable_": (
-        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, Tensor lr, float beta1, float beta2, "
-        "float eps, float weight_decay, Tensor[] steps, bool adam_w_mode, Tensor? grad_scale, "
-        "Tensor? found_inf, bool maximize=False) -> ()"
+        "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, Tensor lr, Tensor[] steps, float beta1, "
+        "float beta2, float eps, float weight_decay, bool adam_w_mode, bool maximize, Tensor? grad_scale, "
+        "Tensor? found_inf) -> ()"
     ),
     "l2norm": "(Tensor[] tensors, Tensor(a!)? found_inf) -> (Tensor, Tensor)",
     "scale_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor scale, Tensor(b!)? found_inf) -> ()",
@@ -55,7 +49,7 @@ def _fake_nothing(*args, **kwargs) -> None:
     return None
 
 
-for _name in ("adam_step_", "adam_step_capturable_", "scale_", "cast_copy_"):
+for _name in ("adam_step_", "scale_", "cast_copy_"):
     torch.library.register_fake(f"distopt::{_name}", _fake_nothing, lib=_lib)
 
 
@@ -121,8 +115,8 @@ def adam_step_(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     *,
-    lr: float,
-    step: int,
+    lr: float | Tensor,
+    step: int | float | Tensor | Sequence[Tensor],
     beta1: float = 0.9,
     beta2: float = 0.999,
     eps: float = 1e-8,
@@ -134,7 +128,7 @@ def adam_step_(
     found_inf: Tensor | None = None,
     maximize: bool = False,
 ) -> None:
-    """One fused Adam/AdamW update of every tensor, in place, with lr and step given as numbers.
+    """One fused Adam/AdamW update of every tensor, in place.
 
     ``g = grad * grad_scale``, negated with ``maximize`` (ascend the objective, as torch's
     ``maximize=True``); Adam (L2 decay added to g) or AdamW (decoupled decay); bias correction
@@ -143,45 +137,26 @@ def adam_step_(
     params of fp32 masters; entries aliasing their param are skipped). With ``param_remainders``
     (int16), params are bf16 high halves of fp32 masters whose low halves are the remainders. Math is
     fp32. If ``found_inf`` is nonzero nothing is written.
+
+    ``lr`` and ``step`` are numbers (read now: an eager step) or float32 one-element tensors on the
+    params' device, read by the kernel with no host sync (a capturable step: a CUDA graph that captured
+    the op replays with the values they hold then). ``step`` may also be one such tensor per param (the
+    same tensor may appear for many); they already count this update (the caller increments them by
+    ``1 - found_inf``). A one-element CPU tensor is read now, like a number.
     """
     if not params:
         return
+    if not isinstance(lr, Tensor):
+        lr = torch.tensor(float(lr), dtype=torch.float64)  # float64: the number's exact value
+    if isinstance(step, Tensor):
+        steps: Sequence[Tensor] = (step,)
+    elif isinstance(step, (int, float)):
+        steps = (torch.tensor(float(step), dtype=torch.float64),)
+    else:
+        steps = step
     torch.ops.distopt.adam_step_(
-        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
-        lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale, found_inf, maximize,
-    )  # fmt: skip
-
-
-def adam_step_capturable_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    lr: Tensor,
-    steps: Sequence[Tensor],
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    adam_w_mode: bool = True,
-    param_outs: Sequence[Tensor] = (),
-    param_remainders: Sequence[Tensor] = (),
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    maximize: bool = False,
-) -> None:
-    """``adam_step_`` reading lr and each tensor's step from device tensors (no host sync).
-
-    ``steps[i]`` already counts this update (the caller increments it by ``1 - found_inf``); the same
-    step tensor may appear for many entries. A CUDA graph that captured this op replays with whatever
-    ``lr`` and ``steps`` hold at replay time.
-    """
-    if not params:
-        return
-    torch.ops.distopt.adam_step_capturable_(
-        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
-        lr, beta1, beta2, eps, weight_decay, steps, adam_w_mode, grad_scale, found_inf, maximize,
+        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, steps,
+        beta1, beta2, eps, weight_decay, adam_w_mode, maximize, grad_scale, found_inf,
     )  # fmt: skip
 
 

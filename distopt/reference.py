@@ -111,41 +111,22 @@ def adam_step_(
     exp_avg_sqs: Sequence[Tensor],
     param_outs: Sequence[Tensor],
     param_remainders: Sequence[Tensor],
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    adam_w_mode: bool,
-    grad_scale: Tensor | None,
-    found_inf: Tensor | None,
-    maximize: bool = False,
-) -> None:
-    _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
-          weight_decay, [step] * len(params), adam_w_mode, grad_scale, found_inf, maximize)
-
-
-def adam_step_capturable_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    param_outs: Sequence[Tensor],
-    param_remainders: Sequence[Tensor],
     lr: Tensor,
+    steps: Sequence[Tensor],
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    steps: Sequence[Tensor],
     adam_w_mode: bool,
+    maximize: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
-    maximize: bool = False,
 ) -> None:
+    if len(steps) not in (1, len(params)):
+        raise ValueError(f"steps: expected one step tensor, or one per param ({len(params)}), got {len(steps)}")
+    per_param = list(steps) if len(steps) == len(params) else [steps[0]] * len(params)
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
-          weight_decay, steps, adam_w_mode, grad_scale, found_inf, maximize)
+          weight_decay, per_param, adam_w_mode, grad_scale, found_inf, maximize)
 
 
 def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:

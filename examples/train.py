@@ -3,6 +3,7 @@ next to DDP + torch.optim.AdamW on the same batches.
 
     python examples/train.py [--steps 120] [--ranks 2]          # spawns its own ranks
     torchrun --nproc-per-node 8 examples/train.py [--steps ...]  # torchrun's ranks
+    python examples/train.py --bmuf [--sync-every 4]            # BMUF vs DDP (examples/bmuf_mode.py)
 
 Without a GPU it starts 2 CPU ranks over gloo; with GPUs, one rank per GPU over NCCL. The model is a
 byte-level TinyGPT (examples/model.py) trained on the Python standard library's own sources
@@ -96,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     report.add_argument("--tolerance-factor", type=float, default=10.0,
                         help="pass if distopt's relative L2 distance from DDP's params is at most this many times "
                              "the control's (see above)")
+    import bmuf_mode  # here, not at the top: it imports this module's pieces
+
+    bmuf_mode.add_arguments(parser)
     args = parser.parse_args(argv)
 
     if TORCHRUN and args.ranks is not None:
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.lr <= 0 or args.clip < 0 or args.tolerance_factor <= 0 or args.warmup < 0 or args.lr_warmup < 0:
         parser.error("--lr and --tolerance-factor must be positive, --clip, --warmup and --lr-warmup not negative")
     args.world_size = world_size
+    if args.bmuf:
+        bmuf_mode.check_arguments(parser, args)
     return args
 
 
@@ -402,7 +408,12 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace, store_path: 
         dist.init_process_group(backend)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     try:
-        passed = train(rank, world_size, args, device)
+        if args.bmuf:
+            from bmuf_mode import train_bmuf
+
+            passed = train_bmuf(rank, world_size, args, device)
+        else:
+            passed = train(rank, world_size, args, device)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -48,7 +48,7 @@ NORM_RTOL = 1e-5  # l2norm (fp32 squares, wider sums) against the float64 refere
 GUARD = 77  # value of the elements just outside an "unaligned" view; exact in every dtype used
 
 CL_SHAPES = [(2, 3, 5, 7), (4, 8, 3, 3), (1, 5, 2, 2), (2, 16, 64, 65)]  # 4-D shapes for channels_last
-OP_NAMES = ("adam_step_", "adam_step_capturable_", "l2norm", "scale_", "cast_copy_")
+OP_NAMES = ("adam_step_", "l2norm", "scale_", "cast_copy_")
 
 
 # Where the factories below create tensors when no device is given: the op tests' backend's device
@@ -291,7 +291,7 @@ def scalar(value: float, device=None, dtype=FP32) -> Tensor:
 
 
 def run_adam(state: AdamState, *, step: int, grad_scale=None, found_inf=None, **hyper) -> None:
-    """The fused eager op (``ops.adam_step_``) on ``state``, in place."""
+    """The fused op (``ops.adam_step_``) on ``state``, in place, with lr and step as numbers (eager)."""
     h = {**HYPER, **hyper}
     ops.adam_step_(
         state.params, state.grads, state.exp_avgs, state.exp_avg_sqs,
@@ -301,31 +301,35 @@ def run_adam(state: AdamState, *, step: int, grad_scale=None, found_inf=None, **
 
 
 def run_adam_capturable(state: AdamState, *, lr: Tensor, steps, grad_scale=None, found_inf=None, **hyper) -> None:
-    """The fused capturable op (``ops.adam_step_capturable_``) on ``state``, in place."""
+    """The fused op on ``state``, in place, with lr and steps as device tensors the kernel reads."""
     h = {**HYPER, **hyper}
     h.pop("lr")
-    ops.adam_step_capturable_(
+    ops.adam_step_(
         state.params, state.grads, state.exp_avgs, state.exp_avg_sqs,
         param_outs=state.param_outs, param_remainders=state.param_remainders,
-        lr=lr, steps=steps, grad_scale=grad_scale, found_inf=found_inf, **h,
+        lr=lr, step=steps, grad_scale=grad_scale, found_inf=found_inf, **h,
     )  # fmt: skip
 
 
+def _scalar(x) -> Tensor:
+    return x if isinstance(x, Tensor) else torch.tensor(float(x), dtype=torch.float64)
+
+
 def run_reference_adam(state: AdamState, *, step, grad_scale=None, found_inf=None, **hyper) -> None:
-    """``reference.adam_step_`` (float64 math) on ``state``, in place."""
+    """``reference.adam_step_`` (float64 math) on ``state``, in place, lr and step as numbers."""
     h = {**HYPER, **hyper}
     reference.adam_step_(
-        *state.lists(), h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], step,
-        h["adam_w_mode"], grad_scale, found_inf, h["maximize"],
+        *state.lists(), _scalar(h["lr"]), [_scalar(step)], h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
+        h["adam_w_mode"], h["maximize"], grad_scale, found_inf,
     )  # fmt: skip
 
 
 def run_reference_adam_capturable(state: AdamState, *, lr, steps, grad_scale=None, found_inf=None, **hyper) -> None:
-    """``reference.adam_step_capturable_`` (float64 math) on ``state``, in place."""
+    """``reference.adam_step_`` (float64 math) on ``state``, in place, lr and steps as tensors."""
     h = {**HYPER, **hyper}
-    reference.adam_step_capturable_(
-        *state.lists(), lr, h["beta1"], h["beta2"], h["eps"], h["weight_decay"], steps,
-        h["adam_w_mode"], grad_scale, found_inf, h["maximize"],
+    reference.adam_step_(
+        *state.lists(), lr, steps, h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
+        h["adam_w_mode"], h["maximize"], grad_scale, found_inf,
     )  # fmt: skip
 
 
@@ -392,7 +396,7 @@ def kernel_registration(op: str, dispatch_key: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# adam_step_capturable_
+# adam_step_ with lr and steps as device tensors (capturable)
 # ----------------------------------------------------------------------------------------------------
 
 # Every dtype combination, as for the eager op: (param_dtype, grad_dtype, out_dtype, remainders).

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_kernels.py on CPU: it runs, checks its results and writes them.
+"""Smoke tests of benchmarks/bench_kernels.py and bench_host.py on CPU: they run, check their results and write them.
 
 No speed assertions: speed targets belong to the benchmarks, not to the tests.
 """
@@ -67,3 +67,36 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "results.png").stat().st_size > 0
+
+
+BENCH_HOST = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
+HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2"}
+
+
+def test_bench_host_quick(tmp_path: Path) -> None:
+    """bench_host.py --quick runs every case (the world-size-2 one on forked gloo ranks), checks that
+    each pair of optimizers agrees, and writes its JSON (and plot). Its targets are reported, not tested."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_HOST), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"bench_host.py failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "thread(s)" in proc.stdout and "torch" in proc.stdout
+
+    data = json.loads((tmp_path / "results_host.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["threads"] == 1 and meta["torch"] and meta["device_name"]
+    assert {r["case"] for r in rows} == HOST_CASES
+    for row in rows:
+        for key in ("distopt_ms", "distopt_p10_ms", "distopt_p90_ms", "torch_ms", "torch_p10_ms", "torch_p90_ms"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["distopt_p10_ms"] <= row["distopt_ms"] <= row["distopt_p90_ms"], row
+        assert row["ratio_p10"] <= row["ratio"] <= row["ratio_p90"], row
+        assert row["ratio_p10"] > 0, row
+        assert row["max_abs_diff"] < 1e-3 and row["reps"] >= 1, row
+    assert set(meta["met"]) == HOST_CASES
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "results_host.png").stat().st_size > 0

@@ -120,3 +120,17 @@ def test_the_real_stdlib_splits_about_one_file_in_twenty():
     assert not any(part in ("site-packages", "dist-packages") for s in sources for part in s.split("/"))
     fraction = sum(map(data.is_validation, sources)) / len(sources)
     assert 0.02 < fraction < 0.1
+
+
+def test_bmuf_mode_counts_what_it_all_reduces():
+    result = subprocess.run([sys.executable, TRAIN, *SMALL, "--steps", "4", "--bmuf", "--sync-every", "2"],
+                            capture_output=True, text=True, timeout=300, env=without_torchrun())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "distopt BMUF(FusedAdam) vs DDP + torch.optim.AdamW: 2 cpu rank(s) over gloo" in out
+    counted = re.search(r"all-reduced per step and rank, counted\s+([\d.]+) KiB\s+([\d.]+) KiB", out)
+    formula = re.search(r"^  formula\s+([\d.]+) KiB\s+([\d.]+) KiB", out, re.MULTILINE)
+    assert counted and formula and counted.groups() == formula.groups(), out
+    bmuf, ddp = map(float, counted.groups())
+    assert 1.99 < ddp / bmuf <= 2.0, out  # every param (and a 64-byte check) once per 2 steps vs every grad every step
+    assert re.search(r"^PASS: BMUF's final validation loss", out, re.MULTILINE), out

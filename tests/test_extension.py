@@ -30,7 +30,8 @@ def test_fallback_without_extension_warns_once_and_computes():
         p, g, m, v = torch.randn(50), torch.randn(50), torch.randn(50), torch.rand(50)
         p2, m2, v2 = p.clone(), m.clone(), v.clone()
         ops.adam_step_([p], [g], [m], [v], lr=0.1, step=2, weight_decay=0.1)
-        reference.adam_step_([p2], [g], [m2], [v2], [], [], 0.1, 0.9, 0.999, 1e-8, 0.1, 2, True, None, None)
+        lr, steps = torch.tensor(0.1, dtype=torch.float64), [torch.tensor(2.0, dtype=torch.float64)]
+        reference.adam_step_([p2], [g], [m2], [v2], [], [], lr, steps, 0.9, 0.999, 1e-8, 0.1, True, False, None, None)
         assert torch.equal(p, p2) and torch.equal(m, m2) and not torch.equal(p, torch.zeros(50))
         total, per = ops.l2norm([g])
         assert torch.allclose(total, g.norm())

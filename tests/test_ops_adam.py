@@ -1,4 +1,4 @@
-"""Tests of the fused Adam ops (``ops.adam_step_``, ``ops.adam_step_capturable_``) against the
+"""Tests of the fused Adam op (``ops.adam_step_``, lr and step as numbers or device tensors) against the
 pure-PyTorch oracle (``distopt.reference``): every dtype combination (descending and with ``maximize``),
 bf16 + int16 remainders, chunk-edge and multi-chunk sizes, unaligned and channels_last layouts, the
 capturable op, and found_inf skips.
@@ -319,7 +319,7 @@ def test_adam_remainders_bit_identical_to_fp32_params(grad_dtype, out_dtype, ada
 
 
 # ----------------------------------------------------------------------------------------------------
-# adam_step_capturable_
+# adam_step_ with lr and steps as device tensors (capturable)
 # ----------------------------------------------------------------------------------------------------
 
 

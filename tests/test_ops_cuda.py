@@ -458,7 +458,7 @@ def test_scale_cuda_sets_found_inf(in_dtype, out_dtype, value, scale, flagged):
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize("op", [*OP_NAMES, "adam_step_-device_lr_steps"])
 def test_ops_run_on_current_stream(op):
     """An op called under ``torch.cuda.stream(s)`` is ordered after the work queued before it on s:
     the input rewritten on s behind a long GPU sleep is the one it reads, and its results are complete
@@ -482,7 +482,7 @@ def test_ops_run_on_current_stream(op):
             g.copy_(new)  # queued on s behind the sleep
         if op == "adam_step_":
             run_adam(state, step=3)
-        elif op == "adam_step_capturable_":
+        elif op == "adam_step_-device_lr_steps":
             run_adam_capturable(state, lr=lr, steps=steps)
         elif op == "l2norm":
             total, per_tensor = ops.l2norm(state.grads, found_inf)

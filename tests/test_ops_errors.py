@@ -136,15 +136,17 @@ def test_adam_bad_input_raises_before_writing(mutate, exc, match):
 def valid_capturable_call() -> dict:
     c = valid_adam_call()
     del c["step"], c["lr"]
-    return {**c, "lr": scalar(1e-3), "steps": [scalar(2.0), scalar(3.0)]}
+    return {**c, "lr": scalar(1e-3), "step": [scalar(2.0), scalar(3.0)]}
 
 
 BAD_CAPTURABLE_CALLS = [
-    ("lr_fp64", lambda c: {**c, "lr": scalar(1e-3, dtype=torch.float64)}, TypeError, "lr: expected a float32"),
+    ("lr_negative_tensor", lambda c: {**c, "lr": scalar(-1e-3)}, ValueError, "lr must be >= 0"),
     ("lr_two_elements", lambda c: {**c, "lr": torch.tensor([1e-3, 1e-3])}, ValueError, "lr: expected one element"),
-    ("steps_too_short", lambda c: {**c, "steps": c["steps"][:1]}, ValueError, "steps"),
-    ("step_int64", _replace("steps", 1, lambda t: torch.tensor([3])), TypeError, "steps"),
-    ("step_two_elements", _replace("steps", 0, lambda t: torch.tensor([2.0, 2.0])), ValueError, "steps"),
+    ("steps_too_long", lambda c: {**c, "step": c["step"] * 2}, ValueError, "steps: expected one step tensor"),
+    ("step_int64", _replace("step", 1, lambda t: torch.tensor([3])), TypeError, "steps"),
+    ("step_two_elements", _replace("step", 0, lambda t: torch.tensor([2.0, 2.0])), ValueError, "steps"),
+    ("one_step_tensor_0", lambda c: {**c, "step": scalar(0.0)}, ValueError, "step counts this update"),
+    ("one_step_two_elements", lambda c: {**c, "step": torch.tensor([2.0, 2.0])}, ValueError, "one element"),
     ("beta2_is_1", lambda c: {**c, "beta2": 1.0}, ValueError, "betas"),
     ("grads_mixed_dtypes", _replace("grads", 0, lambda t: t.half()), TypeError, "grads"),
     ("exp_avg_fp16", lambda c: {**c, "exp_avgs": [t.half() for t in c["exp_avgs"]]}, TypeError, "exp_avgs"),
@@ -153,11 +155,12 @@ BAD_CAPTURABLE_CALLS = [
 
 @pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_CAPTURABLE_CALLS])
 def test_adam_capturable_bad_input_raises_before_writing(mutate, exc, match):
-    """Invalid arguments of the capturable op raise a clear error and leave every tensor untouched."""
+    """Invalid lr/step tensors (read by the kernel, or on the CPU read now) raise a clear error and
+    leave every tensor untouched."""
     call = mutate(valid_capturable_call())
     snap = snapshot(call)
     with pytest.raises(exc, match=match):
-        ops.adam_step_capturable_(**call)
+        ops.adam_step_(**call)
     assert_unchanged(snap)
 
 
@@ -264,18 +267,18 @@ def test_l2norm_empty_list_raises():
 # ----------------------------------------------------------------------------------------------------
 
 
-def _opcheck_adam(remainders: bool, out_dtype, maximize: bool | None = None):
-    """Positional args; ``maximize=None`` leaves the schema's default (False) to the dispatcher."""
+def _opcheck_adam(remainders: bool, out_dtype, maximize: bool = False):
+    """Positional args with lr and step as CPU float64 scalars (read when the op runs)."""
     s = make_adam_state([5, 3], BF16 if remainders else FP32, FP16, out_dtype, remainders=remainders)
-    args = (*s.lists(), 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, True, scalar(0.5), scalar(0.0))
-    return args if maximize is None else (*args, maximize)
+    lr, steps = scalar(1e-3, dtype=torch.float64), [scalar(3.0, dtype=torch.float64)]
+    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, True, maximize, scalar(0.5), scalar(0.0))
 
 
-def _opcheck_capturable(maximize: bool | None = None):
+def _opcheck_device_scalars(maximize: bool = False):
+    """Positional args with lr and one float32 step per param, read by the kernel."""
     s = make_adam_state([5, 3], FP32, BF16, FP16)
     lr, steps = scalar(1e-3), [scalar(2.0), scalar(4.0)]
-    args = (*s.lists(), lr, 0.9, 0.999, 1e-8, 0.1, steps, False, scalar(0.5), scalar(0.0))
-    return args if maximize is None else (*args, maximize)
+    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, False, maximize, scalar(0.5), scalar(0.0))
 
 
 OPCHECK_CASES = {
@@ -283,8 +286,8 @@ OPCHECK_CASES = {
     "adam_step_-no_param_outs": lambda: _opcheck_adam(False, None),
     "adam_step_-remainders": lambda: _opcheck_adam(True, FP32),
     "adam_step_-maximize": lambda: _opcheck_adam(False, BF16, maximize=True),
-    "adam_step_capturable_": _opcheck_capturable,
-    "adam_step_capturable_-maximize": lambda: _opcheck_capturable(maximize=True),
+    "adam_step_-device_scalars": _opcheck_device_scalars,
+    "adam_step_-device_scalars-maximize": lambda: _opcheck_device_scalars(maximize=True),
     "l2norm": lambda: (randn_list([5, 3], BF16), scalar(0.0)),
     "l2norm-no_flag": lambda: (randn_list([5, 3], FP32), None),
     "scale_": lambda: (randn_list([5, 3], FP16), randn_list([5, 3], FP32), scalar(0.5), scalar(0.0)),

@@ -70,6 +70,7 @@ class BucketRuntime:
         contiguous_grad_buffer: bool,
         contiguous_param_buffer: bool,
         keep_param_buffer: bool = False,
+        local: bool = False,
     ) -> None:
         self.index = index
         self.spec = spec
@@ -83,8 +84,12 @@ class BucketRuntime:
         # A CUDA graph that gathers in the next forward reads the buffer its step wrote: it must stay.
         self.keep_param_buffer = contiguous_param_buffer or keep_param_buffer
         self.params = frozenset(p.param for p in spec.pieces)
+        # One rank holds the whole bucket (its shard is the bucket): reductions are the identity, and
+        # the update can write the model params themselves (see ``in_place``).
+        self.local = local
         self.state: ShardState | None = None
         self.runs: list[tuple[int, int, int]] = []  # (param group, start, end) in the shard
+        self.direct_cache: tuple | None = None  # in_place buckets' kernel lists (update.direct_entries)
 
         self.grad_buffer: Tensor | None = None
         self.written: set[int] = set()  # params accumulated into grad_buffer in this window
@@ -95,7 +100,10 @@ class BucketRuntime:
         self._rs_out: Tensor | None = None
 
         self.param_buffer: Tensor | None = None
+        self._copy_plans: dict[str, tuple] = {}  # copy_lists' model sides and buffer geometry
         self._ag_work: dist.Work | None = None
+        self._grad_offset = 0  # grad_buffer's storage offset (accumulate_param views it by offset)
+        self._shard_views: dict[int, Tensor] = {}  # accumulate_param's views of state.grad, by param
         if contiguous_grad_buffer:
             self.grad_buffer = torch.zeros(spec.numel, dtype=grad_dtype, device=device)
         if contiguous_param_buffer:
@@ -108,9 +116,16 @@ class BucketRuntime:
 
     def _open_window(self) -> None:
         """A zeroed grad buffer for a new accumulation window: params that send nothing, and the
-        padding, reduce as zeros."""
-        if self.grad_buffer is None:
+        padding, reduce as zeros. A one-rank bucket whose fp32 grad shard holds no reduced grads yet
+        accumulates straight into that shard (its reduction is the identity: no buffer, no copy)."""
+        if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid:
+            # Not zeroed: a param's first grad is copied in, its padding is zero (nothing else
+            # writes there), and the params that deliver none are zeroed at the launch.
+            self.grad_buffer = self.state.grad
+            self._grad_offset = self.grad_buffer.storage_offset()
+        elif self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.grad_dtype, device=self.device)
+            self._grad_offset = 0
         elif self.fresh:
             self.grad_buffer.zero_()
         self.fresh = False
@@ -129,6 +144,27 @@ class BucketRuntime:
             view.copy_(src)
         self.written.add(piece.param)
 
+    def accumulate_param(self, piece: Piece, grad: Tensor, param: Tensor) -> None:
+        """``accumulate`` for a piece that is the whole param: one strided copy (or add) of `grad`, in
+        whatever layout autograd made it, into the param's elements in memory order (no flattening,
+        no slicing: the per-param cost of every backward)."""
+        assert not self.launched, "finish the bucket's reduce-scatter before accumulating into it"
+        self._open_window()
+        if self.grad_buffer is self.state.grad:  # a persistent buffer: its views are made once
+            view = self._shard_views.get(piece.param)
+            if view is None:
+                view = self._shard_views[piece.param] = self.grad_buffer.as_strided(
+                    param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
+        else:
+            view = self.grad_buffer.as_strided(param.shape, param.stride(), self._grad_offset + piece.bucket_offset)
+        if self.contiguous_grad and view.data_ptr() == grad.data_ptr():
+            pass  # the grad is already this view (accumulated in place under no_sync)
+        elif piece.param in self.written:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+        self.written.add(piece.param)
+
     def ready(self) -> bool:
         """Every param of the bucket has delivered its grad in this synchronising backward (and the
         bucket is not reducing an earlier one: a launch forgets who delivered, see below)."""
@@ -141,7 +177,13 @@ class BucketRuntime:
         if divide_by != 1:
             self.grad_buffer.div_(divide_by)
         state = self.state
-        if not state.grad_valid and self.grad_dtype == torch.float32:
+        if self.grad_buffer is state.grad:  # accumulated in place (see _open_window)
+            for piece in self.spec.pieces if len(self.written) < len(self.params) else ():
+                if piece.param not in self.written:
+                    self.grad_view(piece).zero_()
+        if self.local:
+            self._rs_out = self.grad_buffer  # one rank: the reduce-scatter returns its input
+        elif not state.grad_valid and self.grad_dtype == torch.float32:
             self._rs_out = state.grad  # reduce straight into the fp32 grad shard
         else:
             self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -179,6 +221,13 @@ class BucketRuntime:
 
     # ------------------------------------------------------------------ parameters
 
+    @property
+    def in_place(self) -> bool:
+        """The update leaves the model params current, so there is nothing to gather: one rank whose
+        params are the buffer (contiguous_param_buffer), or whose kernel writes them directly (their
+        own masters, or written from the masters in their own dtype, as the gather would have)."""
+        return self.local and (self.contiguous_param or self.param_dtype == self.spec.group[2])
+
     def local_param_slice(self) -> Tensor:
         """This rank's slice of the param buffer, allocating the buffer if it is transient."""
         if self.param_buffer is None:
@@ -187,11 +236,37 @@ class BucketRuntime:
 
     def gather_in(self, params: list[Tensor]) -> None:
         """Copies this rank's part of the model params into its param-buffer slice (padding zeroed)."""
-        local = self.local_param_slice()
-        local.zero_()
-        srcs = [flat(params[f.param])[f.param_offset : f.param_offset + f.numel] for f in self.fragments]
-        dsts = [local[f.shard_offset : f.shard_offset + f.numel] for f in self.fragments]
-        ops.cast_copy_(srcs, dsts)
+        self.local_param_slice().zero_()
+        ops.cast_copy_(*self.copy_lists("gather_in", params))
+
+    def copy_lists(self, which: str, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """(sources, destinations) of the copies between the model params and the param buffer:
+        "gather_in" (this rank's fragments into its slice) or "scatter_out" (every piece out of the
+        gathered buffer). A param held whole is passed as itself (the buffer as a view of its shape
+        and strides), so the model side is built once; a param split over buckets is passed as a view
+        of its data, rebuilt when its storage moves. The buffer is transient: its views are made here,
+        one call per piece."""
+        plan = self._copy_plans.get(which)
+        if plan is None or plan[1] != tuple(params[i].data_ptr() for i in plan[0]):
+            if which == "gather_in":
+                places = [(f.param, f.param_offset, self.lo + f.shard_offset, f.numel) for f in self.fragments]
+            else:
+                places = [(p.param, p.param_offset, p.bucket_offset, p.numel) for p in self.spec.pieces]
+            model, geometry, split = [], [], []
+            for i, param_offset, offset, numel in places:
+                p = params[i]
+                if numel == p.numel():
+                    model.append(p)
+                    geometry.append((p.shape, p.stride(), offset))
+                else:
+                    split.append(i)
+                    model.append(flat(p.detach())[param_offset : param_offset + numel])
+                    geometry.append(((numel,), (1,), offset))
+            plan = self._copy_plans[which] = (split, tuple(params[i].data_ptr() for i in split), model, geometry)
+        model, geometry = plan[2], plan[3]
+        base = self.param_buffer.storage_offset()
+        views = [self.param_buffer.as_strided(shape, stride, base + offset) for shape, stride, offset in geometry]
+        return (model, views) if which == "gather_in" else (views, model)
 
     def launch_gather(self, comm: Comm) -> None:
         self._ag_work = comm.all_gather(self.param_buffer, self.param_buffer[self.lo : self.hi], self.index)
@@ -206,10 +281,7 @@ class BucketRuntime:
         self._ag_work = None
         comm.event("all_gather_done", self.index)
         if not self.contiguous_param:
-            pieces = self.spec.pieces
-            srcs = [self.param_buffer[p.bucket_offset : p.bucket_offset + p.numel] for p in pieces]
-            dsts = [flat(params[p.param])[p.param_offset : p.param_offset + p.numel] for p in pieces]
-            ops.cast_copy_(srcs, dsts, skip_if=skip_if)
+            ops.cast_copy_(*self.copy_lists("scatter_out", params), skip_if=skip_if)
             if not self.keep_param_buffer:
                 self.param_buffer = None
 

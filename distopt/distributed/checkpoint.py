@@ -11,6 +11,11 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   the whole state on the CPU of every rank (of rank 0 only with ``gather_on_rank0``). It is also what
   torch.distributed.checkpoint's ``get_state_dict`` reads, which re-keys it by param name (FQN):
   loading accepts either key, matched through the saved ``param_groups`` as torch.optim does.
+* ``state_dict(sharded=True)``, which plain ``state_dict()`` returns inside
+  ``sharded_state_dicts(opt)`` (so that torch's ``get_state_dict`` and ``dcp.save``/``dcp.load``
+  of the optimizer see it): the same structure with no ``format`` or ``checksums``, whose state
+  tensors hold only this rank's elements of each param, as views of its shard (dcp_sharded.py):
+  nothing is gathered or copied, and torch.distributed.checkpoint reshards it itself.
 * ``save(opt, path, extra)`` / ``load(opt, path, extra)``: sharded through
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
@@ -56,6 +61,7 @@ from .._state_dicts import (
     state_checksums,
     tensor_crc32,
 )
+from . import dcp_sharded
 from .buckets import BucketRuntime, flat
 from .checkpoint_extra import (
     _check_extra,
@@ -68,6 +74,7 @@ from .checkpoint_extra import (
     _targets,
 )
 from .comm import Comm
+from .dcp_sharded import ShardedParamState, sharded_state_dicts  # noqa: F401 (re-exported: the public name)
 from .state_view import fragment_master
 
 FORMAT = "distopt.per_param.v1"
@@ -113,10 +120,20 @@ def _groups_out(opt: ShardedOptimizer) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- full state dict
 
 
-def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False) -> dict[str, Any] | None:
+def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bool | None = None
+               ) -> dict[str, Any] | None:
     """The per-param form, on every rank (or on rank 0 only: other ranks return None). Before the
     bucket layout is built it is the state a fresh optimizer starts from (step 0, zero moments, the
-    params as masters), so that it can serve as the template torch.distributed.checkpoint loads into."""
+    params as masters), so that it can serve as the template torch.distributed.checkpoint loads into.
+    `sharded` (default: whether `opt` is inside ``sharded_state_dicts``): this rank's shard instead,
+    gathering nothing (dcp_sharded.py)."""
+    if sharded is None:
+        sharded = dcp_sharded.active(opt)
+    if sharded:
+        if gather_on_rank0:
+            raise ValueError("state_dict(gather_on_rank0=True) gathers the whole state on rank 0; the sharded form "
+                             "(sharded=True, or inside sharded_state_dicts) gathers nothing: choose one")
+        return {"state": dcp_sharded.sharded_state(opt), "param_groups": _groups_out(opt)}
     keep = not gather_on_rank0 or dist.get_rank(opt.comm.process_group) == 0
     buckets = opt.shard_buckets(build=False)
     params = opt.checkpoint_params()
@@ -197,6 +214,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         steps.add(_step_of(entry["step"], key))
     if CHECKSUMS in sd:  # absent in torch's and FusedAdam's state dicts: nothing to verify there
         check_state_checksums(sd["state"], sd[CHECKSUMS])
+    dcp_sharded.check_covers(opt, per_param)  # this rank's part of a sharded state dict, if it is one
     if len(steps) > 1:
         warnings.warn(f"params were saved at different steps {sorted(steps)}; resuming at {max(steps)} "
                       "(this optimizer steps all params together)", stacklevel=3)
@@ -207,6 +225,8 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         t = per_param.get(g, {}).get(key)
         if t is None:
             return None
+        if isinstance(t, ShardedParamState):  # this rank's elements, checked by check_covers
+            return t.values(offset, numel)
         if (g, key) not in in_memory_order:
             in_memory_order[g, key] = flat(torch.empty_like(by_global[g], dtype=torch.float32, device="cpu").copy_(t))
         return in_memory_order[g, key][offset : offset + numel]
@@ -281,16 +301,16 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in buckets:
         for f in b.fragments:
-            # Views of the live state where it holds the values (dcp.save is synchronous), no copies of
-            # our own: only the masters of 16-bit params without stored ones are computed here. (dcp's
-            # file writer still copies what it writes where the view is not a whole tensor, or not on
-            # the CPU, and keeps those copies until the rank's file is closed: about this rank's share.)
+            # Views of the live state where it holds the values (dcp.save is synchronous), no copies:
+            # only the masters of 16-bit params without stored ones are computed here. CPU views go
+            # through exact storages, which dcp's file writer does not clone (dcp_sharded.exact_storage);
+            # it copies GPU tensors to the CPU, keeping the copies until the rank's file is closed.
             values = {"param": fragment_master(b, f, params),
                       "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
                       "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel]}
             for key in STATE_KEYS:
                 name = f"{index[f.param]}.{key}.{f.param_offset}"
-                out[f"state.{name}"] = t = values[key].detach()
+                out[f"state.{name}"] = t = dcp_sharded.exact_storage(values[key].detach())
                 out[f"checksum.{name}"] = torch.tensor([tensor_crc32(t)], dtype=torch.int64)
     # One leaf (JSON text): torch.distributed.checkpoint would otherwise flatten the nested structure.
     body = json.dumps({

@@ -22,12 +22,29 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 EventHook = Callable[[str, int], None]
 
 
+class LocalWork:
+    """The handle of a collective over one rank, done locally before it is returned: a one-rank
+    group's reduce-scatter, all-gather or all-reduce is a copy (or nothing), and gloo's takes tens of
+    milliseconds of fixed cost for it."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = LocalWork()
+
+
 class Comm:
     """The optimizer's view of its process groups.
 
     ``dist_group`` shards the optimizer state (size ``dist_size``, this rank's index ``dist_rank``);
     ``redundant_group`` (optional) holds the ranks with the same shard, whose gradients are summed
-    after the reduce-scatter (hybrid sharding). ``on_event(name, bucket)``, when set, is called as
+    after the reduce-scatter (hybrid sharding). A group of one rank communicates nothing: its
+    collectives are local copies (``local``, ``LocalWork``), the same bits gloo or NCCL would give.
+    ``on_event(name, bucket)``, when set, is called as
     collectives start and finish: tests use it to prove overlap.
     """
 
@@ -42,7 +59,7 @@ class Comm:
         self.dist_size = dist.get_world_size(self.dist_group)
         self.dist_rank = dist.get_rank(self.dist_group)
         self.redundant_size = dist.get_world_size(self.redundant_group) if self.redundant_group is not None else 1
-        world = dist.get_world_size(self.process_group)
+        world = self.world_size = dist.get_world_size(self.process_group)
         if self.dist_size * self.redundant_size != world:
             raise ValueError(
                 f"distributed_process_group ({self.dist_size} ranks) x redundant_process_group "
@@ -50,6 +67,11 @@ class Comm:
             )
         self.backend = dist.get_backend(self.dist_group)
         self.on_event: EventHook | None = None
+
+    @property
+    def local(self) -> bool:
+        """The shard group is this rank alone: reduce-scatters and all-gathers are local copies."""
+        return self.dist_size == 1
 
     @property
     def data_parallel_size(self) -> int:
@@ -66,11 +88,15 @@ class Comm:
     def reduce_scatter(self, shard: Tensor, bucket: Tensor, index: int) -> dist.Work:
         """Async sum of `bucket` over the shard group; this rank's shard lands in `shard`."""
         self.event("reduce_scatter_start", index)
+        if self.local:
+            if shard.data_ptr() != bucket.data_ptr():
+                shard.copy_(bucket)
+            return _DONE
         return _reduce_scatter(shard, bucket, op=dist.ReduceOp.SUM, group=self.dist_group, async_op=True)
 
     def all_reduce_redundant(self, shard: Tensor, index: int) -> dist.Work | None:
         """Async sum of a reduced shard over its replicas (hybrid sharding); None without replicas."""
-        if self.redundant_group is None:
+        if self.redundant_size == 1:
             return None
         self.event("all_reduce_redundant_start", index)
         return dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.redundant_group, async_op=True)
@@ -78,20 +104,30 @@ class Comm:
     def all_gather(self, bucket: Tensor, shard: Tensor, index: int) -> dist.Work:
         """Async gather of every rank's shard into `bucket` (`shard` may be this rank's slice of it)."""
         self.event("all_gather_start", index)
+        if self.local:
+            if shard.data_ptr() != bucket.data_ptr():
+                bucket.copy_(shard)
+            return _DONE
         return _all_gather(bucket, shard, group=self.dist_group, async_op=True)
 
     def all_reduce_sum(self, tensor: Tensor) -> None:
         """Blocking (stream-ordered on GPU) sum over the shard group, for norms and inf flags."""
+        if self.local:
+            return
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.dist_group)
 
     def count_ranks(self, flag: bool, device: torch.device) -> int:
         """How many ranks of the data-parallel group pass a true `flag` (blocking, reads the result)."""
+        if self.world_size == 1:
+            return int(flag)
         t = torch.tensor([float(flag)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
         return int(t.item())
 
     def broadcast_ints(self, values: list[int], device: torch.device) -> list[int]:
         """Rank 0's list of `len(values)` ints (of the data-parallel group) on every rank."""
+        if self.world_size == 1:
+            return [int(v) for v in values]
         t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         return t.tolist()

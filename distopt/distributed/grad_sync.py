@@ -29,6 +29,7 @@ collectives of different iterations; as with DDP, the job must then restart.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -65,7 +66,9 @@ class GradSync:
         self.on_grad: Callable[[int], None] | None = None  # told of each param's grad before it is taken
         self._drop_queued = False  # a callback will take the grad views away at the end of backward
         self._iteration_open = False  # a synchronising backward ran since the last sync() / clear()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        # Each hook knows its param's index (a dict lookup would hash the tensor in Python, per param).
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._hook, i))
+                       for i, p in enumerate(params)]
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
         """The layout is built: move the first backward's grads (still in .grad) into the buckets."""
@@ -80,8 +83,7 @@ class GradSync:
 
     # ------------------------------------------------------------------ backward
 
-    def _hook(self, p: Tensor) -> None:
-        i = self.index[p]
+    def _hook(self, i: int, p: Tensor) -> None:
         if self.on_grad is not None:
             self.on_grad(i)
         if self.layout is None:
@@ -115,19 +117,25 @@ class GradSync:
         grad = p.grad
         if grad.is_sparse:
             raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
-        src = flat_like(grad.detach(), p)
+        if grad.requires_grad:  # backward(create_graph=True): the buckets take values, not history
+            grad = grad.detach()
+        pieces = self.layout.param_pieces[i]
+        src = flat_like(grad, p) if len(pieces) > 1 else None  # one piece is the whole param
         was_view = i in self._grad_views
-        for piece in self.layout.param_pieces[i]:
+        for piece in pieces:
             bucket = self.buckets[piece.bucket]
             if bucket.launched:  # still reducing the previous micro-batch: finish it first
                 self._in_flight.remove(bucket)
                 self._finish(bucket)
-            if was_view and src.data_ptr() != bucket.grad_view(piece).data_ptr():
+            if was_view and flat_like(grad, p).data_ptr() != bucket.grad_view(piece).data_ptr():
                 bucket.written.discard(i)  # autograd replaced our view by view + new grad: copy the sum
-            bucket.accumulate(piece, src)
+            if src is None:
+                bucket.accumulate_param(piece, grad, p)
+            else:
+                bucket.accumulate(piece, src)
             if syncing:
                 bucket.synced.add(i)
-        if self.contiguous and self.in_no_sync:
+        if self.contiguous and self.in_no_sync and self.layout.param_pieces[i]:  # (none: no elements)
             piece = self.layout.param_pieces[i][0]  # contiguous buffers never split a param
             p.grad = self.buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
             self._grad_views.add(i)

@@ -41,6 +41,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     gradients are averaged by reduce-scatters that overlap the backward pass, each rank updates its
     shard with one fused kernel, and the updated params are all-gathered into the model.
 
+    On a one-rank shard group (world size 1, or hybrid sharding with shards of one rank) the
+    reduce-scatter and all-gather are the identity and are skipped: gradients accumulate into the
+    shard and the update writes the model params in place, bit for bit what FusedAdam computes.
+
     Names follow apex's DistributedFusedAdam, so apex users switch by changing an import; every
     torch.optim.AdamW argument is accepted too. Defaults:
       lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2: torch.optim.AdamW's.
@@ -190,7 +194,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                                average_grad_sync)
         # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
         self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync)
-        self._grads.on_grad = self._param_sync.check_fresh
+        if overlap_param_sync:  # check_fresh does nothing otherwise: no call per param
+            self._grads.on_grad = self._param_sync.check_fresh
 
     # ------------------------------------------------------------------ setup
 
@@ -301,7 +306,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
-                              keep_param_buffer=self.capturable and self.overlap_param_sync)
+                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local)
             b.state = ShardState.zeros(spec.shard_numel, self.device,
                                        master=self._stores_master(param_dtype, model_dtype),
                                        remainders=self._stores_remainders(param_dtype, model_dtype))
@@ -361,7 +366,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_param_shapes()
+        update.check_param_sizes(self._params, self._layout_numels)
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
         self.grad_sync()
@@ -383,23 +388,12 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             return loss
         else:
             self._step_count += 1
-        self._update(grad_scale, found_inf if self.capturable else None)
+        update.update_shards(self, grad_scale, found_inf if self.capturable else None)
         self._end_step()
 
         # capturable: a skipped step must write nothing back into the params
         self._param_sync.after_step(found_inf if self.capturable else None)
         return loss
-
-    def _update(self, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-        kernel = ops.adam_step_capturable_ if self.capturable else ops.adam_step_
-        for (group_index, _), lists in update.kernel_lists(self._buckets, self._params,
-                                                           self.contiguous_param_buffer).items():
-            hyper = update.group_hyperparameters(self.param_groups[group_index], grad_scale, kernel)
-            if self.capturable:
-                lr = self._graph_safe_lr(group_index)
-                kernel(**lists, lr=lr, steps=[self._step_tensor] * len(lists["params"]), found_inf=found_inf, **hyper)
-            else:
-                kernel(**lists, lr=float(self.param_groups[group_index]["lr"]), step=self._step_count, **hyper)
 
     def _graph_safe_lr(self, index: int) -> Tensor:
         """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""
@@ -441,12 +435,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.comm.all_reduce_sum(result)
         return result
 
-    def _check_param_shapes(self) -> None:
-        for i, (p, numel) in enumerate(zip(self._params, self._layout_numels)):
-            if p.numel() != numel:
-                raise RuntimeError(f"param {i} changed size after the bucket layout was built "
-                                   f"({p.numel()} elements now, {numel} in the layout)")
-
     # ------------------------------------------------------------------ param sync
 
     def param_sync(self) -> None:
@@ -455,19 +443,20 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, gather_on_rank0: bool = False) -> dict[str, Any] | None:
+    def state_dict(self, gather_on_rank0: bool = False, *, sharded: bool | None = None) -> dict[str, Any] | None:
         """Per-param state (fp32 ``param``, ``exp_avg``, ``exp_avg_sq`` in each param's shape, on the
         CPU; ``step``; ``param_groups``), the same whatever the world size, bucket size or init order,
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
-        with `gather_on_rank0` only rank 0 assembles it (the others return None). See checkpoint.py,
-        also for sharded save/load through torch.distributed.checkpoint. torch's state-dict hooks fire."""
-        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0))
+        with `gather_on_rank0` only rank 0 assembles it (the others return None). `sharded` (default:
+        True inside ``checkpoint.sharded_state_dicts(self)``): each state tensor holds only this rank's
+        elements, as views of its shard, for torch.distributed.checkpoint (dcp_sharded.py). Hooks fire."""
+        return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0, sharded))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads ``state_dict()``'s form (saved under any world size) or a torch.optim.AdamW/Adam or
-        FusedAdam state dict, keyed by param position or (as torch.distributed.checkpoint's
-        ``get_state_dict`` makes them) by the names its param_groups list; checks everything (with
-        the checksums ``state_dict()`` records) before changing anything. Every rank must call it."""
+        """Loads either form of ``state_dict()`` (the whole one saved under any world size; the sharded
+        one as ``dcp.load`` fills it) or a torch.optim.AdamW/Adam or FusedAdam state dict, keyed by param
+        position or (as torch.distributed.checkpoint's ``get_state_dict`` makes them) by the names its
+        param_groups list; checks everything before changing anything. Every rank must call it."""
         load_with_hooks(self, state_dict, lambda sd: checkpoint.load_state_dict(self, sd))
 
     def __reduce_ex__(self, protocol: int):
@@ -507,7 +496,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     def publish_params(self) -> None:
         """Writes the model params from the buckets' param slices, as after a step (at once, or
         before the next forward with overlap_param_sync)."""
-        self._param_sync.after_step(None)
+        self._param_sync.after_step(None, publish=True)
 
     # ------------------------------------------------------------------ reporting
 

@@ -95,8 +95,9 @@ class ParamSync:
         self.index = {p: i for i, p in enumerate(params)}
         self.overlap = overlap
         self.buckets: list[BucketRuntime] = []
-        self.first_bucket: list[int] = []  # per param: the first bucket holding it
+        self.first_bucket: list[int] = []  # per param: the first bucket holding it (-1: no elements)
         self.pending: list[int] = []  # buckets still to gather, with overlap
+        self._in_place_params: list[Tensor] | None = None  # the params of in_place buckets
         self.skip_if: Tensor | None = None  # capturable: the step was skipped, copy nothing back
         self.seen: set[int] = set()  # params some module needs (see the Note)
         self.orphans: set[int] = set()  # params that got a grad without being seen
@@ -128,7 +129,7 @@ class ParamSync:
 
     def attach(self, layout: Layout, buckets: list[BucketRuntime]) -> None:
         self.buckets = buckets
-        self.first_bucket = [min(piece.bucket for piece in pieces) for pieces in layout.param_pieces]
+        self.first_bucket = [min((piece.bucket for piece in pieces), default=-1) for pieces in layout.param_pieces]
         self._update_orphan_bucket()
 
     # ------------------------------------------------------------------ forward hooks
@@ -149,8 +150,9 @@ class ParamSync:
             self._observed_ours = self._observed_ours or bool(needs)
         if not self.pending:
             return
-        if needs and self.first_bucket:
-            self._gather_for(min(self.first_bucket[i] for i in needs), "forward_wait")
+        first = [self.first_bucket[i] for i in needs if self.first_bucket and self.first_bucket[i] >= 0]
+        if first:
+            self._gather_for(min(first), "forward_wait")
 
     def _used(self, t: Tensor) -> None:
         i = self.index.get(t)
@@ -217,23 +219,31 @@ class ParamSync:
             self._update_orphan_bucket()
 
     def _update_orphan_bucket(self) -> None:
-        if self.first_bucket and self.orphans:
-            self._orphan_bucket = min(self.first_bucket[i] for i in self.orphans)
+        first = [self.first_bucket[i] for i in self.orphans if self.first_bucket and self.first_bucket[i] >= 0]
+        if first:
+            self._orphan_bucket = min(first)
 
     # ------------------------------------------------------------------ gathers
 
-    def after_step(self, skip_if: Tensor | None) -> None:
-        """The update wrote every bucket's local slice: gather now, or leave it to the next forward."""
+    def after_step(self, skip_if: Tensor | None, publish: bool = False) -> None:
+        """The update wrote every bucket's local slice: gather now, or leave it to the next forward.
+        Buckets the update left current (``in_place``: one rank) need nothing but the version bump a
+        gather gives, unless `publish` (a checkpoint load wrote their param slices, not the params)."""
         self.skip_if = skip_if
+        gather = [b.index for b in self.buckets if publish or not b.in_place]
+        if len(gather) < len(self.buckets):
+            if self._in_place_params is None:
+                self._in_place_params = [self.params[i] for b in self.buckets if b.in_place for i in sorted(b.params)]
+            torch.autograd.graph.increment_version(self._in_place_params)
         if self.overlap:
-            self.pending = list(range(len(self.buckets)))
-            if self._orphan_bucket is not None:  # read with no module to wait in: gather now
+            self.pending = gather
+            if self._orphan_bucket is not None and gather:  # read with no module to wait in: gather now
                 self._gather_for(self._orphan_bucket, "step_gathers_orphans")
             return
-        for b in self.buckets:
-            b.launch_gather(self.comm)
-        for b in self.buckets:
-            self._finish(b)
+        for index in gather:
+            self.buckets[index].launch_gather(self.comm)
+        for index in gather:
+            self._finish(self.buckets[index])
 
     def finish(self) -> None:
         """Completes every deferred gather."""

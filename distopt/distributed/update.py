@@ -2,28 +2,59 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from .buckets import BucketRuntime
+from .. import ops
+from .buckets import BucketRuntime, flat
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import DistributedFusedAdam
+
+KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remainders")
 
 
-def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor],
+def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes)."""
+    for (group_index, _), lists in kernel_lists(opt._buckets, opt._params, opt._group_of,
+                                                opt.contiguous_param_buffer).items():
+        group = opt.param_groups[group_index]
+        hyper = group_hyperparameters(group, grad_scale)
+        if opt.capturable:  # the kernel reads lr and the step from the GPU
+            ops.adam_step_(**lists, lr=opt._graph_safe_lr(group_index), step=opt._step_tensor, found_inf=found_inf,
+                           **hyper)
+        else:
+            ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
+
+
+def check_param_sizes(params: list[Tensor], numels: list[int]) -> None:
+    """Raises if a param's size changed since the layout was built (one whole-list comparison)."""
+    if list(map(Tensor.numel, params)) == numels:
+        return
+    for i, (p, numel) in enumerate(zip(params, numels)):
+        if p.numel() != numel:
+            raise RuntimeError(f"param {i} changed size after the bucket layout was built "
+                               f"({p.numel()} elements now, {numel} in the layout)")
+
+
+def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: list[int],
                  contiguous_param_buffer: bool) -> dict[tuple, dict[str, list[Tensor]]]:
     """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
     calls: dict[tuple, dict[str, list[Tensor]]] = {}
     for b in buckets:
         s = b.state
+        if b.in_place and not contiguous_param_buffer:
+            for key, lists in direct_entries(b, params, group_of).items():
+                c = calls.setdefault(key, {k: [] for k in KEYS})
+                for k in KEYS:
+                    c[k].extend(lists[k])
+            continue
         local = b.local_param_slice()
         if s.master is None and not contiguous_param_buffer:
             b.gather_in(params)  # the model params are the masters (or their high halves)
         for group, start, end in b.runs:
-            c = calls.setdefault((group, b.spec.group), {"params": [], "grads": [], "exp_avgs": [],
-                                                        "exp_avg_sqs": [], "param_outs": [], "param_remainders": []})
+            c = calls.setdefault((group, b.spec.group), {k: [] for k in KEYS})
             c["params"].append((s.master if s.master is not None else local)[start:end])
             c["grads"].append(s.grad[start:end])
             c["exp_avgs"].append(s.exp_avg[start:end])
@@ -35,19 +66,49 @@ def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor],
     return calls
 
 
-def group_hyperparameters(group: dict[str, Any], grad_scale: Tensor, kernel: Callable) -> dict[str, Any]:
+def direct_entries(b: BucketRuntime, params: list[Tensor], group_of: list[int]) -> dict[tuple, dict[str, list]]:
+    """A one-rank bucket's kernel lists, one entry per fragment, updating the model params themselves
+    (or, with masters, writing them from the masters in the same pass) instead of a param buffer
+    that would be copied in and out: the same values, two passes and no Python work per param
+    fewer. The padding between fragments holds zero grads, so leaving it out changes nothing.
+
+    Built once and reused: the shard state never moves, and a param held whole is passed as itself
+    (the state as views of its shape and strides), so replacing its ``.data`` is followed (a new
+    shape or strides makes the op refuse the mismatch). Only a param split over buckets is passed
+    as a view of its data, so the lists are rebuilt when such a param's storage moves."""
+    b.param_buffer = b.param_buffer if b.keep_param_buffer else None  # a checkpoint read may have left one
+    if b.direct_cache is not None:
+        split, key, calls = b.direct_cache
+        if key == tuple(params[i].data_ptr() for i in split):
+            return calls
+    split = [f.param for f in b.fragments if f.numel != params[f.param].numel()]
+    s = b.state
+    calls: dict[tuple, dict[str, list]] = {}
+    for f in b.fragments:
+        c = calls.setdefault((group_of[f.param], b.spec.group), {k: [] for k in KEYS})
+        p = params[f.param]
+        if f.numel == p.numel():
+            model, shape, stride = p, p.shape, p.stride()
+        else:
+            model, shape, stride = flat(p.detach())[f.param_offset : f.param_offset + f.numel], (f.numel,), (1,)
+
+        def view(t: Tensor, f=f, shape=shape, stride=stride) -> Tensor:
+            return t.as_strided(shape, stride, t.storage_offset() + f.shard_offset)
+
+        c["params"].append(view(s.master) if s.master is not None else model)
+        c["grads"].append(view(s.grad))
+        c["exp_avgs"].append(view(s.exp_avg))
+        c["exp_avg_sqs"].append(view(s.exp_avg_sq))
+        if s.master is not None:
+            c["param_outs"].append(model)
+        if s.remainders is not None:
+            c["param_remainders"].append(view(s.remainders))
+    b.direct_cache = (split, tuple(params[i].data_ptr() for i in split), calls)
+    return calls
+
+
+def group_hyperparameters(group: dict[str, Any], grad_scale: Tensor) -> dict[str, Any]:
     """The kernel's keyword arguments for one param group (lr and step aside)."""
     beta1, beta2 = group["betas"]
-    hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                 adam_w_mode=group["adam_w_mode"], grad_scale=grad_scale)
-    if group["maximize"] and kernel_takes_maximize(kernel):
-        hyper["maximize"] = True
-    elif group["maximize"]:  # the kernel computes g = grad * grad_scale: -grad_scale negates g, exactly
-        hyper["grad_scale"] = -grad_scale
-    return hyper
-
-
-@functools.cache
-def kernel_takes_maximize(kernel: Callable) -> bool:
-    """Whether the op wrapper has a ``maximize`` argument (distopt.ops gains one in a later version)."""
-    return "maximize" in inspect.signature(kernel).parameters
+    return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)

@@ -9,6 +9,8 @@ runs the accumulating backwards under ``opt.no_sync()``; ``gradient_clip_val`` c
 ``opt.clip_grad_norm`` (torch's ``clip_grad_norm_`` would see no ``.grad``: the optimizer moved them
 into its buckets); every rank takes part in a checkpoint's gathering of the sharded state (rank 0
 assembles and writes it); resumed on as many ranks, a run continues bit for bit as if never stopped.
+Before each training step that synchronises, rank 0's buffers (BatchNorm statistics) are broadcast, as
+DDP's ``broadcast_buffers=True`` does.
 
 Lightning ships two namespaces, ``lightning.pytorch`` and ``pytorch_lightning``, whose classes are
 distinct. ``DistributedFusedAdamStrategy(...)`` builds the strategy for the namespace already
@@ -36,6 +38,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..distributed import DistributedFusedAdam
+from ..distributed.buffers import BufferSync
 from ..grad_scaling import GradScaling
 
 __all__ = ["DistoptGradientClipping", "DistributedFusedAdamStrategy", "clip_gradients", "strategy_class"]
@@ -126,7 +129,32 @@ class _StrategyMixin:
         with contextlib.ExitStack() as stack:
             for opt in self._dfas():
                 stack.enter_context(opt.no_sync())
+            self._accumulating = True
+            stack.callback(setattr, self, "_accumulating", False)
             yield
+
+    # Rank 0's buffers (BatchNorm statistics) are broadcast when DDP(broadcast_buffers=True) would: at
+    # the forward after one whose gradients were synchronised (see distopt.distributed.buffers).
+    def _before_forward(self, synchronising: bool) -> None:
+        if getattr(self, "_buffer_sync", None) is None or self._buffer_sync.module is not self.lightning_module:
+            self._buffer_sync = BufferSync(self.lightning_module)
+        self._buffer_sync.before_forward(synchronising)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(torch.is_grad_enabled() and not getattr(self, "_accumulating", False))
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(False)
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(False)
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(False)
+        return super().predict_step(*args, **kwargs)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         opt = _unwrap(optimizer)

@@ -7,7 +7,9 @@ synchronises gradients; DDP would do it twice), in one process ``FusedAdam``: fr
 are overridden: ``max_grad_norm`` clips through ``opt.clip_grad_norm`` (folded into the update) and
 the logged ``grad_norm`` is the optimizer's, accumulation runs under ``opt.no_sync()``, every rank
 takes part in saving the sharded optimizer state, and ``save_model`` lands deferred all-gathers
-(``overlap_param_sync``) on every rank before the saving rank reads the weights.
+(``overlap_param_sync``) on every rank before the saving rank reads the weights. Rank 0's buffers
+(BatchNorm statistics) are broadcast before each synchronising training step, as DDP does
+(``ddp_broadcast_buffers=False`` turns it off, as for DDP).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.utils import logging
 
 from distopt import DistributedFusedAdam, FusedAdam
+from distopt.distributed.buffers import BufferSync
 
 logger = logging.get_logger(__name__)
 
@@ -60,6 +63,7 @@ class DistoptTrainer(Trainer):
 
     def __init__(self, *args: Any, distopt_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.distopt_kwargs = dict(distopt_kwargs or {})
+        self._buffer_sync: BufferSync | None = None
         unknown = set(self.distopt_kwargs) - _ACCEPTED[FusedAdam] - _ACCEPTED[DistributedFusedAdam]
         if unknown:
             raise TypeError(f"distopt_kwargs: unknown arguments {sorted(unknown)}")
@@ -139,8 +143,15 @@ class DistoptTrainer(Trainer):
         """The Trainer's, under ``opt.no_sync()`` for micro-batches that do not end an accumulation window."""
         opt = self._sharded()
         # The Trainer marks them in sync_gradients and enters model.no_sync(), which the unwrapped model lacks.
-        if opt is None or self.accelerator.sync_gradients \
-                or self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        synchronising = opt is None or self.accelerator.sync_gradients \
+            or self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        if opt is not None and self.args.ddp_broadcast_buffers is not False:
+            # Rank 0's buffers (BatchNorm statistics) when DDP would broadcast them: at the forward after
+            # a synchronising one (the Trainer's evaluation never runs through DDP).
+            if self._buffer_sync is None or self._buffer_sync.module is not model:
+                self._buffer_sync = BufferSync(model)
+            self._buffer_sync.before_forward(synchronising)
+        if synchronising:
             return super().training_step(model, inputs, num_items_in_batch)
         with opt.no_sync():
             return super().training_step(model, inputs, num_items_in_batch)

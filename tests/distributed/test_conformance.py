@@ -18,8 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from distopt import DistributedFusedAdam, ops
-from distopt.distributed import update
+from distopt import DistributedFusedAdam
 
 import tolerances
 from harness import run_ranks
@@ -147,17 +146,8 @@ def maximize_vs_ddp(rank: int, world_size: int, decoupled: bool, steps: int = 4)
     return checks
 
 
-KERNEL_HAS_MAXIMIZE = update.kernel_takes_maximize(ops.adam_step_)
-
-
-@pytest.mark.parametrize("path", ["kernel", "negated_grad_scale"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-def test_maximize_matches_ddp_torch(monkeypatch, path, decoupled):
-    if path == "kernel" and not KERNEL_HAS_MAXIMIZE:
-        pytest.skip("distopt.ops.adam_step_ has no `maximize` argument yet (a kernel change in progress adds it); "
-                    "until then DistributedFusedAdam negates the grad scale, which the other case tests")
-    if path == "negated_grad_scale":  # the fallback, exact as well; forked ranks inherit the patch
-        monkeypatch.setattr(update, "kernel_takes_maximize", lambda kernel: False)
+def test_maximize_matches_ddp_torch(decoupled):
     assert all(c > 0 for c in run_ranks(maximize_vs_ddp, 2, (decoupled,)))
 
 

@@ -4,16 +4,15 @@
 Saving changes nothing, byte for byte (torch initialises an optimizer whose ``opt.state`` is empty
 with a zero-grad step: the negative control shows the test catches exactly that), FQN-keyed state
 dicts load, a round trip is bit-exact, and a run resumed under another world size follows the
-uninterrupted one (within tolerances.DISTRIBUTED, as test_checkpoint.py's resumes). The memory
-test records what each save path costs per rank.
+uninterrupted one (within tolerances.DISTRIBUTED, as test_checkpoint.py's resumes); all of it also
+inside ``sharded_state_dicts(opt)``, where nothing is gathered, and across the two forms. What each
+save path costs per rank, and the sharded form's own cases, are test_checkpoint_dcp_sharded.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import ctypes
-import gc
-import os
 from collections import defaultdict
 
 import pytest
@@ -34,7 +33,6 @@ from test_checkpoint import (
     train,
     uninterrupted,
 )
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -45,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed import checkpoint
+from distopt.distributed import checkpoint, dcp_sharded
 
 import tolerances
 from harness import run_ranks
@@ -64,7 +62,8 @@ def differences(actual: dict, expected: dict) -> list[str]:
     return changed
 
 
-def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: bool) -> tuple[list[str], list]:
+def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: bool,
+                 sharded: bool = False) -> tuple[list[str], list]:
     """3 steps; every state-dict getter of torch's API, three times over, and dcp.save; then 3 more steps."""
     model = make_model(setup.dtype)
     opt = setup.build(model)
@@ -72,23 +71,25 @@ def save_mid_run(rank: int, world_size: int, setup: Setup, path: str, control: b
     if control:
         opt.state = defaultdict(dict)  # the view gone: torch's opt.state as DFA had it before
     before = snapshot(opt, model, None)
-    for _ in range(3):
-        model_sd, optim_sd = get_state_dict(model, opt)
-    get_optimizer_state_dict(model, opt)
-    get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    dcp.save({"model": model, "optim": opt}, checkpoint_id=path + "_stateful")  # Stateful: opt.state_dict()
+    with checkpoint.sharded_state_dicts(opt) if sharded else contextlib.nullcontext():
+        for _ in range(3):
+            model_sd, optim_sd = get_state_dict(model, opt)
+        get_optimizer_state_dict(model, opt)
+        get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dcp.save({"model": model, "optim": opt}, checkpoint_id=path + "_stateful")  # Stateful: opt.state_dict()
     changed = differences(snapshot(opt, model, None), before)
     train(model, opt, range(3, 6), rank, world_size, setup.dtype)
     opt.param_sync()
     return changed, params_of(model)
 
 
-@pytest.mark.parametrize("control", [False, True], ids=["dfa", "negative_control_empty_state"])
+@pytest.mark.parametrize("control, sharded", [(False, False), (False, True), (True, False)],
+                         ids=["dfa", "dfa_sharded", "negative_control_empty_state"])
 @pytest.mark.parametrize("setup", [SAVE_SETUP, Setup(bucket_cap_mb=TINY_BUCKET_MB, **REMAINDERS)],
                          ids=["fp32", "bf16_remainders_tiny_buckets"])
-def test_saving_changes_nothing(tmp_path, setup, control):
-    results = run_ranks(save_mid_run, 2, (setup, str(tmp_path / "ckpt"), control))
+def test_saving_changes_nothing(tmp_path, setup, control, sharded):
+    results = run_ranks(save_mid_run, 2, (setup, str(tmp_path / "ckpt"), control, sharded))
     expected = run_ranks(uninterrupted, 2, (setup,))[0][0]
     for changed, params in results:
         same_run = all(torch.equal(a, e) for a, e in zip(params, expected))
@@ -101,11 +102,30 @@ def test_saving_changes_nothing(tmp_path, setup, control):
 # ------------------------------------------------------------------ resume through the standard API
 
 
+def sharded_or_not(opt, api: str):
+    """sharded_state_dicts(opt) for the "sharded" variants of an api, else nothing."""
+    return checkpoint.sharded_state_dicts(opt) if api.startswith("sharded") else contextlib.nullcontext()
+
+
+def assert_form(optim_sd: dict, opt) -> None:
+    """Each rank's part of each state tensor inside sharded_state_dicts(opt), whole tensors outside."""
+    kinds = {type(v) for entry in optim_sd["state"].values() for k, v in entry.items() if k != "step"}
+    assert kinds == ({checkpoint.ShardedParamState} if dcp_sharded.active(opt) else {torch.Tensor}), kinds
+
+
 def save_through_api(rank: int, world_size: int, setup: Setup, path: str, api: str) -> dict:
     model = make_model(setup.dtype)
     opt = setup.build(model)
     train(model, opt, range(3), rank, world_size, setup.dtype)
     sd = opt.state_dict()  # the reference state, keyed by position
+    context, api = sharded_or_not(opt, api), api.removeprefix("sharded_")
+    with context:
+        save_with(model, opt, path, api, rank)
+    opt.param_sync()
+    return sd
+
+
+def save_with(model, opt, path: str, api: str, rank: int) -> None:
     if api == "stateful":
         dcp.save({"model": model, "optim": opt}, checkpoint_id=path)
     elif api == "full_rank0":  # a whole, unsharded checkpoint on rank 0 (only)
@@ -118,9 +138,8 @@ def save_through_api(rank: int, world_size: int, setup: Setup, path: str, api: s
         model_sd, optim_sd = get_state_dict(model, opt, options=options)
         if api == "get_state_dict":
             assert set(optim_sd["state"]) == {n for n, p in model.named_parameters()}  # keyed by FQN
+            assert_form(optim_sd, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    opt.param_sync()
-    return sd
 
 
 def load_through_api(rank: int, world_size: int, setup: Setup, path: str, api: str) -> tuple:
@@ -129,6 +148,16 @@ def load_through_api(rank: int, world_size: int, setup: Setup, path: str, api: s
         for p in model.parameters():
             p.add_(1.0)  # the weights must come from the checkpoint
     opt = setup.build(model)  # fresh: no layout yet, lr 50x the saved one
+    context, api = sharded_or_not(opt, api), api.removeprefix("sharded_")
+    with context:
+        load_with(model, opt, path, api, rank)
+    reloaded = opt.state_dict()
+    outputs = train(model, opt, range(3, 6), rank, world_size, setup.dtype)
+    opt.param_sync()
+    return params_of(model), outputs, reloaded
+
+
+def load_with(model, opt, path: str, api: str, rank: int) -> None:
     if api == "stateful":
         dcp.load({"model": model, "optim": opt}, checkpoint_id=path)  # loads into opt.state_dict(), then loads it
     elif api == "full_rank0":  # rank 0 reads it and broadcasts; set_state_dict would differ by rank here
@@ -140,24 +169,39 @@ def load_through_api(rank: int, world_size: int, setup: Setup, path: str, api: s
         options = StateDictOptions(flatten_optimizer_state_dict=api == "flattened")
         model_sd, optim_sd = get_state_dict(model, opt, options=options)  # the template dcp.load fills
         assert opt.step_count == 0  # the fresh optimizer took no initialising step
+        if api == "get_state_dict":
+            assert_form(optim_sd, opt)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
-    reloaded = opt.state_dict()
-    outputs = train(model, opt, range(3, 6), rank, world_size, setup.dtype)
-    opt.param_sync()
-    return params_of(model), outputs, reloaded
 
 
 RESUMES = [(2, 2, "get_state_dict"), (2, 1, "get_state_dict"), (1, 2, "get_state_dict"), (2, 4, "get_state_dict"),
            (2, 2, "stateful"), (2, 1, "stateful"), (2, 2, "flattened"), (1, 2, "flattened"), (2, 2, "full_rank0"),
-           (1, 2, "full_rank0")]
+           (1, 2, "full_rank0"),
+           # sharded_state_dicts(opt): nothing gathered on either side, resharded by dcp itself
+           (2, 2, "sharded_get_state_dict"), (2, 1, "sharded_get_state_dict"), (1, 2, "sharded_get_state_dict"),
+           (2, 4, "sharded_get_state_dict"), (4, 2, "sharded_get_state_dict"), (2, 2, "sharded_stateful"),
+           (2, 4, "sharded_stateful"), (2, 2, "sharded_flattened"), (4, 1, "sharded_flattened")]
+# Either form on either side: dcp assembles whole tensors from shards and cuts shards from whole tensors.
+MIXED = [(2, 2, "get_state_dict", "sharded_get_state_dict"), (2, 4, "sharded_get_state_dict", "get_state_dict"),
+         (2, 1, "sharded_flattened", "flattened"), (2, 4, "stateful", "sharded_stateful")]
 
 
 @pytest.mark.parametrize("saved_on, loaded_on, api", RESUMES, ids=[f"{a}-{n}to{m}" for n, m, a in RESUMES])
 def test_resume_through_dcp(tmp_path, saved_on, loaded_on, api):
+    check_resume(tmp_path, saved_on, loaded_on, api, api)
+
+
+@pytest.mark.parametrize("saved_on, loaded_on, saved_by, loaded_by", MIXED,
+                         ids=[f"{a}-{n}to{m}-{b}" for n, m, a, b in MIXED])
+def test_resume_across_forms(tmp_path, saved_on, loaded_on, saved_by, loaded_by):
+    check_resume(tmp_path, saved_on, loaded_on, saved_by, loaded_by)
+
+
+def check_resume(tmp_path, saved_on: int, loaded_on: int, saved_by: str, loaded_by: str) -> None:
     path = str(tmp_path / "ckpt")
-    sd = run_ranks(save_through_api, saved_on, (SAVE_SETUP, path, api))[0]
-    results = run_ranks(load_through_api, loaded_on, (LOAD_SETUP, path, api))
+    sd = run_ranks(save_through_api, saved_on, (SAVE_SETUP, path, saved_by))[0]
+    results = run_ranks(load_through_api, loaded_on, (LOAD_SETUP, path, loaded_by))
     ref_params, ref_outputs = run_ranks(uninterrupted, loaded_on, (LOAD_SETUP,))[0]
     for params, outputs, reloaded in results:
         assert_same_state(reloaded, sd)  # bit-exact, whatever the layouts on either side
@@ -174,12 +218,22 @@ def test_resume_through_dcp_same_layout_is_bit_exact(tmp_path):
     assert all(torch.equal(a, e) for a, e in zip(params + outputs, ref_params + ref_outputs))
 
 
-def test_bf16_remainders_masters_survive_dcp(tmp_path):
+@pytest.mark.parametrize("api", ["get_state_dict", "sharded_get_state_dict"])
+def test_bf16_remainders_masters_survive_dcp(tmp_path, api):
     save, load = Setup(**REMAINDERS), Setup(bucket_cap_mb=TINY_BUCKET_MB, reverse_init=True, **REMAINDERS)
     path = str(tmp_path / "ckpt")
-    sd = run_ranks(save_through_api, 2, (save, path, "get_state_dict"))[0]
-    _, _, reloaded = run_ranks(load_through_api, 1, (load, path, "get_state_dict"))[0]
-    assert_same_state(reloaded, sd)  # fp32 masters, exactly, through bf16 params + int16 remainders
+    sd = run_ranks(save_through_api, 2, (save, path, api))[0]
+    for _, _, reloaded in run_ranks(load_through_api, 2 if api.startswith("sharded") else 1, (load, path, api)):
+        assert_same_state(reloaded, sd)  # fp32 masters, exactly, through bf16 params + int16 remainders
+
+
+def test_hybrid_sharding_through_dcp(tmp_path):
+    """Replicas of a shard save the same boxes: dcp writes each once; resumed on 2 plain ranks."""
+    path = str(tmp_path / "ckpt")
+    sd = run_ranks(save_through_api, 4, (Setup(hsdp_shard=2, bucket_cap_mb=TINY_BUCKET_MB), path,
+                                         "sharded_get_state_dict"))[0]
+    for _, _, reloaded in run_ranks(load_through_api, 2, (LOAD_SETUP, path, "sharded_get_state_dict")):
+        assert_same_state(reloaded, sd)
 
 
 def fqn_refusals(rank: int, world_size: int) -> list[str]:
@@ -249,49 +303,3 @@ def test_fused_adam_through_dcp(tmp_path, world_size):
         assert all(torch.equal(a, e) for a, e in zip(params, reference))  # one process's math each time
         assert reloaded["state"].keys() == saved[0][1].keys()
         assert all(torch.equal(reloaded["state"][k][n], v) for k, s in saved[0][1].items() for n, v in s.items())
-
-
-# ------------------------------------------------------------------ memory per rank while saving
-
-
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def save_peak(rank: int, world_size: int, path: str, how: str) -> tuple[float, float]:
-    """Peak resident memory above the steady state while saving, as a fraction of the full state."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(64)])  # 4.2M params: 50 MB of state, ~4 per bucket
-    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=1.0)
-    model(torch.randn(4, 256)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # memory freed by training counts as neither
-    base = _rss("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # restart the peak (VmHWM) from here
-    if how == "distopt":
-        checkpoint.save(opt, path, extra={"model": model.state_dict()})
-    else:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    full_state = 12 * sum(p.numel() for p in model.parameters())  # fp32 master, exp_avg, exp_avg_sq
-    return (_rss("VmHWM") - base) / full_state
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc peak-memory reset")
-def test_save_memory_per_rank(tmp_path):
-    """distopt's sharded save holds at most this rank's share of the state (torch's file writer keeps a
-    CPU copy of each tensor of a file until it is closed); get_state_dict + dcp.save materialises the
-    whole per-param state on every rank (torch calls opt.state_dict(), which must return each param's
-    full state), with no second copy on top of it."""
-    sharded = run_ranks(save_peak, 2, (str(tmp_path / "a"), "distopt"))
-    standard = run_ranks(save_peak, 2, (str(tmp_path / "b"), "standard"))
-    print(f"peak extra memory per rank while saving, x full optimizer state: distopt.distributed.checkpoint.save "
-          f"{max(sharded):.2f}, get_state_dict + dcp.save {max(standard):.2f} (2 ranks)")
-    assert max(sharded) < 0.8  # this rank's half of the state, and torch's writer's own buffers
-    # The whole state once (the finding, documented in the README), not twice as before (an
-    # intermediate flat copy of everything); the rest is torch's writer.
-    assert 0.9 < min(standard) and max(standard) < 1.8

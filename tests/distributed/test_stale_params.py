@@ -100,7 +100,7 @@ def loss_of(name: str, model: nn.Module, extra: list[nn.Parameter], x, y) -> tor
     return F.mse_loss(out, y)
 
 
-def train(rank: int, world_size: int, name: str, learn: bool = True) -> int:
+def train(rank: int, world_size: int, name: str, learn: bool = True, overlap: bool = True) -> int:
     if not learn:  # negative control: nothing is learnt from watching the forward
         param_sync._UseRecorder.__torch_function__ = lambda self, func, types, args=(), kwargs=None: func(
             *args, **(kwargs or {}))
@@ -109,7 +109,7 @@ def train(rank: int, world_size: int, name: str, learn: bool = True) -> int:
     ref_opt = torch.optim.AdamW([*ref_model.parameters(), *ref_extra], lr=0.05, weight_decay=0.01)
     model, extra = build(name)
     opt = DistributedFusedAdam([*model.parameters(), *extra], lr=0.05, weight_decay=0.01,
-                               bucket_cap_mb=TINY_BUCKET_MB, overlap_param_sync=True)
+                               bucket_cap_mb=TINY_BUCKET_MB, overlap_param_sync=overlap)
     run = torch.compile(model, backend="eager") if name == "compiled" else model
     checks = 0
     for step in range(STEPS):
@@ -148,12 +148,17 @@ def test_overlap_param_sync_matches_ddp(name, world_size):
     assert all(c > 0 for c in run_ranks(train, world_size, (name,), timeout=300))
 
 
+def test_compiled_model_without_overlap_matches_ddp():
+    """torch.compile(model) with the blocking all-gather at step(): the same per-step comparison."""
+    assert all(c > 0 for c in run_ranks(train, 2, ("compiled", True, False), timeout=300))
+
+
 def test_negative_control_without_learning_stale_reads_are_caught():
     """With the watched forward learning nothing, FunctionalNet reads late.weight before its bucket's
     gather lands: the step-1 loss comparison sees the stale value (and were it not compared, the
     gather's version bump makes autograd refuse the backward through it)."""
     with pytest.raises(AssertionError, match="step 1 loss: Scalars are not close"):
-        run_ranks(train, 1, ("functional_and_tied", False))
+        run_ranks(train, 2, ("functional_and_tied", False))  # one rank has nothing to gather: no stale read
 
 
 def read_before_any_module(rank: int, world_size: int, overlap: bool) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from torch import nn
 pytest.importorskip("lightning")
 
 from distopt import DistributedFusedAdam, FusedAdam  # noqa: E402
+from distopt.distributed import buffers  # noqa: E402
 from distopt.integrations.lightning import (  # noqa: E402
     DistoptGradientClipping,
     DistributedFusedAdamStrategy,
@@ -61,10 +62,13 @@ def classes(ns: str) -> dict:
     pl = importlib.import_module(ns)
 
     class Net(pl.LightningModule):
-        def __init__(self, make_opt, seed: int = 0) -> None:
+        def __init__(self, make_opt, seed: int = 0, norm: bool = False) -> None:
             super().__init__()
             torch.manual_seed(seed)
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+            # BatchNorm: running statistics in buffers. The bias before it would have a zero gradient (the
+            # norm removes it) made of rounding noise, which Adam turns into lr-sized steps: none.
+            middle = [nn.BatchNorm1d(16)] if norm else []
+            self.net = nn.Sequential(nn.Linear(8, 16, bias=not norm), *middle, nn.Tanh(), nn.Linear(16, 4))
             self.make_opt = make_opt
 
         def training_step(self, batch, batch_idx):
@@ -83,6 +87,7 @@ def classes(ns: str) -> dict:
 
         def __init__(self, sync: bool = True, save_at: tuple[int, str] | None = None) -> None:
             self.params: dict[int, list[torch.Tensor]] = {}  # by global step, after each optimizer step
+            self.buffers: dict[int, list[torch.Tensor]] = {}
             self.norms: list[float] = []  # pre-clip grad norms, where grads are in .grad
             self.sync, self.save_at = sync, save_at
 
@@ -100,6 +105,7 @@ def classes(ns: str) -> dict:
                 for opt in trainer.optimizers:
                     getattr(opt, "param_sync", lambda: None)()
             self.params[trainer.global_step] = [p.detach().clone() for p in module.parameters()]
+            self.buffers[trainer.global_step] = [b.clone() for b in module.buffers()]
 
     return {"pl": pl, "Net": Net, "ClippingNet": ClippingNet, "Recorder": Recorder}
 
@@ -115,7 +121,7 @@ def lightning_env(rank: int, world_size: int) -> None:
 def fit(ns: str, strategy, make_opt, *, devices: int = 2, precision: str | None = None, epochs: int = 1,
         seed: int = 0, mixin: bool = False, ckpt_in: str | None = None, ckpt_out: str | None = None,
         clip: float | None = CLIP, algorithm: str = "norm", sync: bool = True,
-        save_at: tuple[int, str] | None = None) -> dict:
+        save_at: tuple[int, str] | None = None, norm: bool = False, batch: int = BATCH) -> dict:
     """One Trainer.fit; returns the params after every optimizer step and after fit, and the
     reference's grad norms. See Recorder for `sync` and `save_at`."""
     c = classes(ns)
@@ -123,7 +129,7 @@ def fit(ns: str, strategy, make_opt, *, devices: int = 2, precision: str | None 
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 4, generator=g))
     # Another init on each rank: the strategy must start every rank from rank 0's params, as DDP does.
-    model = c["ClippingNet" if mixin else "Net"](make_opt, seed + int(os.environ["LOCAL_RANK"]))
+    model = c["ClippingNet" if mixin else "Net"](make_opt, seed + int(os.environ["LOCAL_RANK"]), norm)
     recorder = c["Recorder"](sync, save_at)
     kwargs = {}
     if precision == "16-mixed":  # Lightning turns precision="16-mixed" into bf16 on the CPU; the plugin keeps fp16
@@ -134,11 +140,11 @@ def fit(ns: str, strategy, make_opt, *, devices: int = 2, precision: str | None 
                          gradient_clip_val=clip, gradient_clip_algorithm=algorithm, accumulate_grad_batches=2,
                          callbacks=[recorder], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=BATCH), ckpt_path=ckpt_in)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=batch), ckpt_path=ckpt_in)
     final = [p.detach().clone() for p in model.parameters()]
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)  # every rank: the optimizer state is gathered by a collective
-    return {"params": recorder.params, "norms": recorder.norms, "final": final}
+    return {"params": recorder.params, "buffers": recorder.buffers, "norms": recorder.norms, "final": final}
 
 
 def assert_matches(run: dict, ref: dict, precision: str | None = None) -> None:
@@ -186,6 +192,30 @@ def test_strategy_matches_ddp_adamw(ns: str, precision: str | None) -> None:
         assert list(ref["params"]) == list(range(1, SAMPLES // 2 // BATCH // 2 + 1))
         assert run["no_sync"] == len(ref["params"])  # the accumulating backward of every step communicated nothing
         assert_matches(run, ref, precision)
+
+
+def _buffers_vs_ddp(rank: int, world_size: int, broadcast: bool) -> tuple[dict, dict]:
+    lightning_env(rank, world_size)
+    # Batches of 8 (BatchNorm over 2 samples outputs about +-1 whatever its input); 1 step per epoch.
+    kw = dict(norm=True, batch=8, epochs=4)
+    ref = fit(LIGHTNING, "ddp", adamw, **kw)
+    if not broadcast:  # negative control, in this forked rank only
+        buffers.broadcast_buffers = lambda module, group=None: None
+    return fit(LIGHTNING, DistributedFusedAdamStrategy(namespace=LIGHTNING), dfa, **kw), ref
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["strategy", "negative_control_no_broadcast"])
+def test_strategy_broadcasts_buffers_like_ddp(broadcast: bool) -> None:
+    """BatchNorm running statistics on every rank after every step are DDP's (rank 0's, broadcast at the
+    forward after a synchronising one, as DDP does): evaluation on any rank is DDP's."""
+    def close(a: list, b: list) -> bool:
+        return all(torch.allclose(x, y, **tolerances.DISTRIBUTED[torch.float32]) for x, y in zip(a, b, strict=True))
+
+    for rank, (run, ref) in enumerate(run_ranks(_buffers_vs_ddp, 2, (broadcast,))):
+        assert list(run["params"]) == list(ref["params"]) == list(ref["buffers"]) and ref["params"]
+        assert all(close(run["params"][step], ref["params"][step]) for step in ref["params"])
+        same = all(close(run["buffers"][step], ref["buffers"][step]) for step in ref["buffers"])
+        assert same == (broadcast or rank == 0), f"rank {rank}: buffers {'differ' if broadcast else 'agree'}"
 
 
 def _dfa_under_ddp(rank: int, world_size: int) -> str:

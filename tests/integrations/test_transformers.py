@@ -30,6 +30,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from distopt import FusedAdam  # noqa: E402
+from distopt.distributed import buffers  # noqa: E402
 from distopt.integrations.transformers import DistoptTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
@@ -82,9 +83,31 @@ class Recorder(TrainerCallback):
             self.logs[state.global_step] = {k: logs[k] for k in ("loss", "grad_norm", "learning_rate")}
 
 
+class NormNet(torch.nn.Module):
+    """A model with buffers (BatchNorm running statistics) in the Trainer's calling convention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+
+def make_norm_data(world_size: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    n = STEPS * GA * NORM_BATCH * world_size
+    return [{"x": x, "labels": y} for x, y in zip(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))]
+
+
+NORM_BATCH = 8  # BatchNorm over 2 samples outputs about +-1 whatever its input
+
+
 def train(out: str, trainer_cls: type = Trainer, *, resume: str | None = None, skip_last: bool = False,
           scaler: torch.amp.GradScaler | None = None, make_optimizers: Callable | None = None,
-          **overrides: Any) -> dict[str, Any]:
+          norm: bool = False, **overrides: Any) -> dict[str, Any]:
     """One Trainer.train() (+ save_model); returns what the Recorder saw and what was saved."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     kwargs = {"distopt_kwargs": overrides.pop("distopt_kwargs")} if "distopt_kwargs" in overrides else {}
@@ -92,10 +115,13 @@ def train(out: str, trainer_cls: type = Trainer, *, resume: str | None = None, s
                 per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA, max_steps=STEPS,
                 logging_steps=1, save_strategy="no", max_grad_norm=CLIP, optim="adamw_torch", learning_rate=LR,
                 weight_decay=WD, lr_scheduler_type="linear")
+    if norm:
+        args.update(per_device_train_batch_size=NORM_BATCH)
     args.update(overrides)
-    model = make_model()
+    model = NormNet() if norm else make_model()
     recorder = Recorder(skip_last)
-    trainer = trainer_cls(model=model, args=TrainingArguments(**args), train_dataset=make_data(world_size),
+    data = make_norm_data(world_size) if norm else make_data(world_size)
+    trainer = trainer_cls(model=model, args=TrainingArguments(**args), train_dataset=data,
                           callbacks=[recorder], optimizers=make_optimizers(model) if make_optimizers else (None, None),
                           **kwargs)
     if scaler is not None:
@@ -103,10 +129,11 @@ def train(out: str, trainer_cls: type = Trainer, *, resume: str | None = None, s
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(out, "final"))
     inner = trainer.distopt_optimizer() if isinstance(trainer, DistoptTrainer) else None
-    saved = os.path.join(out, "final", "model.safetensors")
+    saved = os.path.join(out, "final", "model.safetensors") if not norm else None
     return {"params": recorder.params, "logs": recorder.logs, "reduce_scatters": recorder.reduce_scatters,
             "wrapped": type(trainer.model_wrapped).__name__,
-            "optimizer": type(inner).__name__, "saved": load_file(saved) if trainer.args.should_save else None,
+            "optimizer": type(inner).__name__,
+            "saved": load_file(saved) if saved and trainer.args.should_save else None,
             "scale": scaler.get_scale() if scaler is not None else None}
 
 
@@ -215,6 +242,29 @@ def test_checkpoint_resume_is_bit_exact(reference: dict, tmp_path: Path) -> None
     saved_whole, saved_resumed = run["optim"]
     assert saved_whole["format"] == "distopt.per_param.v1"
     assert saved_whole["checksums"] == saved_resumed["checksums"]  # CRC-32 of every state tensor
+
+
+def _buffers(rank: int, world_size: int, port: int, tmp: str, broadcast: bool) -> dict:
+    torchrun_env(rank, world_size, port)
+    ddp = train(f"{tmp}/ddp", norm=True)
+    if not broadcast:  # negative control, in this forked rank only
+        buffers.broadcast_buffers = lambda module, group=None: None
+    return {"ddp": ddp, "dfa": train(f"{tmp}/dfa", DistoptTrainer, norm=True)}
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["trainer", "negative_control_no_broadcast"])
+def test_buffers_follow_ddp(tmp_path: Path, broadcast: bool) -> None:
+    """Every rank's BatchNorm statistics after every step are those of the stock Trainer's DDP (rank 0's,
+    broadcast at the forward after a synchronising one), with accumulation over GA micro-batches."""
+    for rank, run in enumerate(run_ranks(_buffers, 2, (free_port(), str(tmp_path), broadcast))):
+        keys = [k for k in run["ddp"]["params"][1] if "running" in k]
+        assert keys, "the model has no running statistics"
+        tol = tolerances.DISTRIBUTED[torch.float32]
+        same = all(torch.allclose(run["dfa"]["params"][step][k], run["ddp"]["params"][step][k], **tol)
+                   for step in range(1, STEPS + 1) for k in keys)
+        assert same == (broadcast or rank == 0), f"rank {rank}: buffers {'differ' if broadcast else 'agree'}"
+        if broadcast:
+            assert_runs_match(run["dfa"], run["ddp"], range(1, STEPS + 1))
 
 
 def _bf16(rank: int, world_size: int, port: int, tmp: str) -> dict:

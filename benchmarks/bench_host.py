@@ -1,0 +1,360 @@
+"""Host overhead on the CPU: distopt's optimizers against torch's where Python and launch costs, not
+memory bandwidth, decide the time (many small params), on one thread by default.
+
+Rows (each a pair timed in one run, alternating A/B repetitions after a warm-up, so both see the
+same machine load; the ratio is the median, with the 10th and 90th percentiles, of the ratios of
+each repetition's back-to-back pair, distopt's time over torch's):
+  fused_small   FusedAdam.step vs torch AdamW(fused=True).step, 10,000 params x 16 fp32 elements
+  fused_medium  the same, 1,000 x 4,096
+  dfa_ws1       DistributedFusedAdam at world size 1 (gloo, in this process) vs FusedAdam: a whole
+                iteration (forward, backward, step, zero_grad), 1,000 x 4,096
+  dfa_ws2       DistributedFusedAdam at world size 2 (gloo, forked ranks) vs DDP + AdamW(fused=True):
+                backward + step, 10,000 x 16 (rank 0's times, both ranks starting each run together)
+After timing, each pair's params are compared (they took the same steps from the same start), so a
+fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
+
+    python benchmarks/bench_host.py --out /tmp/host            # the full tables (minutes)
+    python benchmarks/bench_host.py --out /tmp/host --quick    # a smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from distopt import FusedAdam  # noqa: E402
+from distopt.distributed import DistributedFusedAdam  # noqa: E402
+
+from common import REPO_ROOT, plot_bars, run_metadata, summarize, table_header, table_row, write_json  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-3, 1e-2
+RTOL, ATOL = 1e-4, 1e-6  # the pairs agree to fp32 rounding; a wrong update misses by orders more
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    what: str
+    count: int  # params
+    numel: int  # elements each
+    distopt: str
+    torch: str
+
+
+@dataclass(frozen=True)
+class Config:
+    warmup: int
+    reps: int
+    cases: tuple[Case, ...]
+
+
+CASES = (
+    Case("fused_small", "step", 10_000, 16, "FusedAdam", "AdamW(fused=True)"),
+    Case("fused_medium", "step", 1_000, 4_096, "FusedAdam", "AdamW(fused=True)"),
+    Case("dfa_ws1", "iteration", 1_000, 4_096, "DistributedFusedAdam ws1", "FusedAdam"),
+    Case("dfa_ws2", "backward+step", 10_000, 16, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
+)
+TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1}  # ratio <= target
+CONFIGS = {
+    "full": Config(warmup=5, reps=30, cases=CASES),
+    "quick": Config(
+        warmup=1, reps=3, cases=tuple(Case(c.name, c.what, c.count // 100, c.numel, c.distopt, c.torch) for c in CASES)
+    ),
+}
+
+
+@dataclass
+class Row:
+    case: str
+    what: str
+    params: int
+    numel: int
+    distopt: str
+    torch: str
+    distopt_ms: float
+    distopt_p10_ms: float
+    distopt_p90_ms: float
+    torch_ms: float
+    torch_p10_ms: float
+    torch_p90_ms: float
+    ratio: float  # median of the repetitions' distopt / torch ratios (each pair ran back to back)
+    ratio_p10: float
+    ratio_p90: float
+    target: float
+    max_abs_diff: float  # between the two contenders' params after the run
+    reps: int
+
+
+class ParamBag(nn.Module):
+    """`count` params of `numel` elements; the loss reads each once (one stack), so backward hands
+    every param its own gradient and the optimizers' per-param costs show."""
+
+    def __init__(self, count: int, numel: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(numel, generator=g)) for _ in range(count))
+        self._list = list(self.params)  # iterating a ParameterList costs a lookup per param
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (torch.stack(self._list) * x).square().mean()
+
+
+def batch(case: Case, rank: int, index: int) -> Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + index)
+    return torch.randn(case.count, case.numel, generator=g)
+
+
+def alternate(fns: dict[str, Callable[[], float | None]], warmup: int, reps: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each fn, the order reversed every repetition (ABBA...). A fn may time
+    a part of itself and return that (in ms) instead of None."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            inner = fns[name]()
+            times[name].append(inner if inner is not None else (time.perf_counter() - start) * 1e3)
+    return times
+
+
+def max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
+
+
+def make_row(case: Case, times: dict[str, list[float]], diff: float, reference: Sequence[Tensor]) -> Row:
+    ours, theirs = summarize(times["distopt"]), summarize(times["torch"])
+    pairs = summarize([a / b for a, b in zip(times["distopt"], times["torch"])])
+    scale = max(float(p.detach().abs().max()) for p in reference)
+    if not diff <= ATOL + RTOL * scale:
+        raise AssertionError(f"{case.name}: the two optimizers' params differ by {diff:g} after the same steps")
+    return Row(
+        case.name,
+        case.what,
+        case.count,
+        case.numel,
+        case.distopt,
+        case.torch,
+        ours.median_ms,
+        ours.p10_ms,
+        ours.p90_ms,
+        theirs.median_ms,
+        theirs.p10_ms,
+        theirs.p90_ms,
+        pairs.median_ms,
+        pairs.p10_ms,
+        pairs.p90_ms,
+        TARGETS[case.name],
+        diff,
+        ours.reps,
+    )
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+def step_case(case: Case, cfg: Config) -> Row:
+    """FusedAdam.step vs AdamW(fused=True).step on the same params and (fixed) grads."""
+    models = {name: ParamBag(case.count, case.numel) for name in ("distopt", "torch")}
+    grads = [torch.randn(case.numel, generator=torch.Generator().manual_seed(i)) for i in range(case.count)]
+    for m in models.values():
+        for p, g in zip(m.params, grads):
+            p.grad = g.clone()
+    opts = {
+        "distopt": FusedAdam(models["distopt"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+        "torch": torch.optim.AdamW(models["torch"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True),
+    }
+    times = alternate({name: opt.step for name, opt in opts.items()}, cfg.warmup, cfg.reps)
+    return make_row(case, times, max_diff(models["distopt"].params, models["torch"].params), models["torch"].params)
+
+
+def dfa_ws1_case(case: Case, cfg: Config) -> Row:
+    """A whole iteration of DistributedFusedAdam on a one-rank gloo group vs FusedAdam."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            models = {name: ParamBag(case.count, case.numel) for name in ("distopt", "torch")}
+            opts = {
+                "distopt": DistributedFusedAdam(models["distopt"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+                "torch": FusedAdam(models["torch"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+            }
+            count = {"distopt": 0, "torch": 0}
+
+            def iteration(name: str) -> Callable[[], None]:
+                def run() -> None:
+                    models[name](batch(case, 0, count[name] % 4)).backward()
+                    opts[name].step()
+                    opts[name].zero_grad()
+                    count[name] += 1
+
+                return run
+
+            times = alternate({name: iteration(name) for name in models}, cfg.warmup, cfg.reps)
+            diff = max_diff(models["distopt"].params, models["torch"].params)
+        finally:
+            dist.destroy_process_group()
+    return make_row(case, times, diff, models["torch"].params)
+
+
+def _ws2_rank(rank: int, world_size: int, case: Case, cfg: Config) -> tuple[dict[str, list[float]], float, list]:
+    """One rank of dfa_ws2: backward + step of both contenders, every run started by a barrier."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    models = {name: ParamBag(case.count, case.numel) for name in ("distopt", "torch")}
+    ddp = DDP(models["torch"])
+    opts = {
+        "distopt": DistributedFusedAdam(models["distopt"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+        "torch": torch.optim.AdamW(models["torch"].parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True),
+    }
+    run_model = {"distopt": models["distopt"], "torch": ddp}
+    count = {"distopt": 0, "torch": 0}
+
+    def iteration(name: str) -> Callable[[], float]:
+        def run() -> float:
+            loss = run_model[name](batch(case, rank, count[name] % 4))
+            dist.barrier()
+            start = time.perf_counter()
+            loss.backward()
+            opts[name].step()
+            ms = (time.perf_counter() - start) * 1e3
+            opts[name].zero_grad()
+            count[name] += 1
+            return ms
+
+        return run
+
+    times = alternate({name: iteration(name) for name in models}, cfg.warmup, cfg.reps)
+    reference = [p.detach() for p in models["torch"].params]
+    return times, max_diff(models["distopt"].params, models["torch"].params), reference
+
+
+def dfa_ws2_case(case: Case, cfg: Config, timeout: float) -> Row:
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
+    from harness import run_ranks
+
+    times, diff, reference = run_ranks(_ws2_rank, 2, (case, cfg), timeout=timeout)[0]
+    return make_row(case, times, diff, reference)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+_COLUMNS = (
+    ("case", 13),
+    ("what", 14),
+    ("params x elems", 15),
+    ("distopt ms", 11),
+    ("p10-p90", 15),
+    ("torch ms", 10),
+    ("p10-p90", 15),
+    ("ratio (pairs p10-p90)", 21),
+    ("target", 7),
+    ("vs", 24),
+)
+
+
+def _format(r: Row) -> str:
+    return table_row(
+        (
+            r.case,
+            r.what,
+            f"{r.params} x {r.numel}",
+            f"{r.distopt_ms:.4g}",
+            f"{r.distopt_p10_ms:.3g}-{r.distopt_p90_ms:.3g}",
+            f"{r.torch_ms:.4g}",
+            f"{r.torch_p10_ms:.3g}-{r.torch_p90_ms:.3g}",
+            f"{r.ratio:.2f}x ({r.ratio_p10:.2f}-{r.ratio_p90:.2f})",
+            f"<={r.target}x",
+            r.torch,
+        ),
+        _COLUMNS,
+    )
+
+
+def plot(path: Path, rows: Sequence[Row], title: str) -> bool:
+    labels = [f"{r.case}\n{r.params} x {r.numel}" for r in rows]
+    panels = {
+        "distopt (ms)": ([r.distopt_ms for r in rows], [(r.distopt_p10_ms, r.distopt_p90_ms) for r in rows]),
+        "torch / peer (ms)": ([r.torch_ms for r in rows], [(r.torch_p10_ms, r.torch_p90_ms) for r in rows]),
+        "ratio (lower is better)": ([r.ratio for r in rows], [(r.ratio_p10, r.ratio_p90) for r in rows]),
+    }
+    return plot_bars(path, labels, panels, title)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for results_host.json and .png")
+    parser.add_argument("--quick", action="store_true", help="100x fewer params, a few runs (smoke test)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; forked ranks use 1)")
+    parser.add_argument("--cases", nargs="*", default=None, help=f"a subset of {[c.name for c in CASES]}")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per contender")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before forked ranks count as hung")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = CONFIGS["quick" if args.quick else "full"]
+    if args.reps is not None:
+        cfg = Config(cfg.warmup, args.reps, cfg.cases)
+    unknown = set(args.cases or ()) - {c.name for c in CASES}
+    if unknown:
+        print(f"unknown cases {sorted(unknown)}; choose from {[c.name for c in CASES]}")
+        return 2
+    torch.set_num_threads(args.threads)
+    rows: list[Row] = []
+    for case in cfg.cases:
+        if args.cases and case.name not in args.cases:
+            continue
+        if case.name == "dfa_ws2":
+            rows.append(dfa_ws2_case(case, cfg, args.timeout))
+        elif case.name == "dfa_ws1":
+            rows.append(dfa_ws1_case(case, cfg))
+        else:
+            rows.append(step_case(case, cfg))
+    device = torch.device("cpu")
+    meta = run_metadata(
+        device,
+        threads=args.threads,
+        warmup=cfg.warmup,
+        reps=cfg.reps,
+        quick=args.quick,
+        timing="perf_counter; alternating A/B repetitions after warm-up; median, p10, p90",
+        targets=TARGETS,
+        met={r.case: r.ratio <= r.target for r in rows},
+    )
+    print(
+        f"{meta['device_name']}, torch {meta['torch']}, {args.threads} thread(s), {meta['date']}, "
+        f"{cfg.reps} alternating repetitions after {cfg.warmup} warm-up"
+    )
+    print(table_header(_COLUMNS))
+    for r in rows:
+        print(_format(r))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "results_host.json", meta, rows)
+    stats = ", ".join(f"{r.case} {r.ratio:.2f}x" for r in rows)
+    title = (
+        f"host overhead (fp32, CPU, {args.threads} thread(s)): {stats}\n"
+        f"{meta['device_name']}, torch {meta['torch']}, {meta['git_commit'] or 'no git'}"
+    )
+    plot(args.out / "results_host.png", rows, title)
+    print(f"wrote {args.out}/results_host.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""FusedAdam's step plan: the fused kernel's argument lists, built once and reused while nothing they
+depend on changes, so that a steady-state ``step()`` does no Python work per param.
+
+A plan is built after a step that went the general (per-param) way, from the params that had a
+gradient then (their state exists by then). It holds, per kernel call (one per param group and
+combination of dtypes), the param, moment, master and step lists, and what it expects of the
+gradients. Each later step re-reads ``.grad`` (autograd makes new gradient tensors every backward
+after ``zero_grad()``) and checks them against the plan with whole-list operations (``map`` over C
+getters, no Python loop per param): every planned param has a gradient of the planned dtype, shape,
+strides, layout and device, and no unplanned param got one; the groups hold the planned params and
+the state the planned tensors (identity checks over whole lists: a param swapped into a group or a
+state tensor replaced by assignment would otherwise be missed). The plan itself is dropped when the
+optimizer's structure changes: param groups added or their param lists resized, the state loaded,
+replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout,
+a param that gained or lost its gradient, a replaced tensor) takes the general way for that step,
+which raises the precise errors and builds a new plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_grad = operator.attrgetter("grad")
+_dtype = operator.attrgetter("dtype")
+_shape = operator.attrgetter("shape")
+_layout = operator.attrgetter("layout")
+_device = operator.attrgetter("device")
+_stride = operator.methodcaller("stride")
+_is_none = functools.partial(operator.is_, None)
+
+
+@dataclass
+class Call:
+    """One kernel call's lists (all but the grads, which are re-read every step)."""
+
+    group: int
+    model_params: list[Tensor]  # whose .grad the call reads
+    params: list[Tensor]  # what the kernel updates: the model params, or their fp32 masters
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    param_outs: list[Tensor]  # the model params, written from the masters (else empty)
+    steps: list[Tensor]  # each param's step counter (state["step"])
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    shapes: list[torch.Size]
+    strides: list[tuple[int, ...]]
+    entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
+    last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
+    # Eager steps: the call's params share one step count, and their step tensors are views of this
+    # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
+    # longer than the update itself).
+    step_storage: Tensor | None = None
+
+    def state_lists(self) -> list[tuple[str, list[Tensor]]]:
+        """(state key, the planned tensors under it) for every state tensor the call uses."""
+        lists = [("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
+        return lists + ([("param", self.params)] if self.param_outs else [])
+
+    def grads(self, device: torch.device) -> list[Tensor] | None:
+        """The current grads if they are what the plan expects, else None."""
+        grads = list(map(_grad, self.model_params))
+        if len(grads) == len(self.last_grads) and all(map(operator.is_, grads, self.last_grads)):
+            return grads  # the same tensors as last step (accumulated in place, or never zeroed)
+        if any(map(_is_none, grads)):
+            return None
+        if set(map(_dtype, grads)) != {self.grad_dtype} or set(map(_layout, grads)) != {torch.strided}:
+            return None
+        if set(map(_device, grads)) != {device}:
+            return None
+        if list(map(_shape, grads)) != self.shapes or list(map(_stride, grads)) != self.strides:
+            return None
+        self.last_grads = grads
+        return grads
+
+
+@dataclass
+class StepPlan:
+    key: tuple
+    calls: list[Call]
+    unplanned: list[Tensor]  # params that had no gradient when the plan was built
+    params: list[Tensor]  # every group's params, in order, when the plan was built
+    entries: list[dict[str, Any]]  # the state's per-param dicts, in its order, when the plan was built
+
+    def current(self, key: tuple, device: torch.device, groups: list[dict[str, Any]], state: Any
+                ) -> list[tuple[Call, list[Tensor]]] | None:
+        """[(call, grads)] for this step, or None where the plan does not describe it."""
+        if key != self.key:
+            return None
+        # A param swapped into a group's list, or a state tensor replaced (opt.state[p]["exp_avg"] = ...),
+        # keeps the key: the plan would update the old tensors. Identity checks, whole lists at a time.
+        if not all(map(operator.is_, itertools.chain.from_iterable(g["params"] for g in groups), self.params)):
+            return None
+        if not all(map(operator.is_, state.values(), self.entries)):  # (no Tensor.__hash__: no Python calls)
+            return None
+        if not all(map(_is_none, map(_grad, self.unplanned))):
+            return None
+        out = []
+        for call in self.calls:
+            if set(map(_dtype, call.model_params)) != {call.param_dtype}:
+                return None
+            for name, planned in call.state_lists():
+                if not all(map(operator.is_, map(operator.methodcaller("get", name), call.entries), planned)):
+                    return None
+            storage = call.step_storage
+            if storage is not None and not bool((storage == storage[0]).all()):
+                return None  # a step count was changed in place: the general step takes each as it is
+            grads = call.grads(device)
+            if grads is None:
+                return None
+            out.append((call, grads))
+        return out
+
+
+def plan_key(groups: list[dict[str, Any]], state: Any, epoch: int) -> tuple:
+    """What a plan depends on besides the grads and the params' dtypes, in O(groups)."""
+    return (epoch, id(state), len(state), tuple((id(g["params"]), len(g["params"])) for g in groups))
+
+
+def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> StepPlan | None:
+    """A plan for the params that have a gradient and a state now (None if some have a gradient but
+    no state). `eager`: one call per step count, whose params' step tensors become views of one
+    tensor (same values, still float32 scalars: torch's format), the call's ``step_storage``."""
+    calls: dict[tuple, Call] = {}
+    entries: dict[tuple, list[dict]] = {}
+    unplanned = []
+    for index, group in enumerate(groups):
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                unplanned.append(p)
+                continue
+            s = state.get(p)
+            if not s:
+                return None
+            master = "param" in s
+            key_ = (index, p.dtype, g.dtype, master) + ((float(s["step"]),) if eager else ())
+            call = calls.get(key_)
+            if call is None:
+                call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
+                entries[key_] = []
+            entries[key_].append(s)
+            call.entries.append(s)
+            call.model_params.append(p)
+            call.params.append(s["param"] if master else p)
+            call.exp_avgs.append(s["exp_avg"])
+            call.exp_avg_sqs.append(s["exp_avg_sq"])
+            if master:
+                call.param_outs.append(p)
+            call.steps.append(s["step"])
+            call.shapes.append(p.shape)
+            call.strides.append(p.stride())
+    if eager:
+        for key_, call in calls.items():
+            call.step_storage = torch.stack(call.steps).to(torch.float32)
+            call.steps = list(call.step_storage.unbind())
+            for s, step in zip(entries[key_], call.steps):
+                s["step"] = step
+    return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
+                    list(state.values()))

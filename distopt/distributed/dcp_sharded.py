@@ -1,0 +1,250 @@
+"""DistributedFusedAdam's state dict as this rank's shard, for torch.distributed.checkpoint's
+standard API (``get_state_dict``/``set_state_dict``, ``dcp.save``/``dcp.load``), with nothing gathered.
+
+torch's state-dict functions call plain ``opt.state_dict()``, whose documented result is every param's
+whole state (gathered over the ranks, loadable by torch.optim.AdamW). Inside
+``sharded_state_dicts(opt)`` (or with ``opt.state_dict(sharded=True)``) it is instead torch.optim's
+structure with, for ``param``, ``exp_avg`` and ``exp_avg_sq``, a ``ShardedParamState`` per param: a
+tensor of the param's shape that holds only this rank's elements of it, as views of the optimizer's
+shard (no copy; only the fp32 masters of 16-bit params without stored ones are computed). A shard is a
+flat range of each param (layout.py), which DTensor placements cannot express; boxes.py cuts it into
+boxes, and ``ShardedParamState`` hands them to torch.distributed.checkpoint through its
+``_Checkpointable`` protocol, as DTensor does. dcp.save writes each rank's boxes; dcp.load reads, into
+this rank's boxes, the parts of the saved ones that overlap them, whatever the world size or layout
+that saved them (or whole tensors, as torch.optim.AdamW's checkpoints hold). dcp.load fills a CPU copy
+of this rank's part (taken when it plans its reads), not the optimizer: ``load_state_dict`` of the
+filled state dict (``set_state_dict``) checks it, then writes the shards, the step, the hyperparameters
+and the model params. (``checkpoint.load`` also verifies checksums.)
+
+A ``ShardedParamState`` is only for torch.distributed.checkpoint: every tensor operation on it
+(and pickling) raises a TypeError. torch's ``full_state_dict``/``cpu_offload`` options, which cannot
+be told apart from here, hand these tensors on unchanged inside ``sharded_state_dicts``: their first
+use fails loudly instead of passing off a partial tensor as a whole one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .boxes import Box, box_view, boxes, memory_order
+from .state_view import fragment_master
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint import ShardedOptimizer
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+_DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # optimizer -> nesting depth
+
+
+@contextmanager
+def sharded_state_dicts(opt: Any) -> Iterator[Any]:
+    """Within the block, ``opt.state_dict()`` (as torch's ``get_state_dict``, ``get_optimizer_state_dict``
+    and ``dcp.save``/``dcp.load`` of the optimizer call it) returns this rank's shard (see the module
+    docstring) instead of gathering every param's whole state. Nests; for DistributedFusedAdam only."""
+    if not hasattr(opt, "shard_buckets"):
+        raise TypeError(
+            f"sharded_state_dicts() is for DistributedFusedAdam, not {type(opt).__name__} (whose "
+            "state_dict() holds no more than what each rank has)"
+        )
+    _DEPTH[opt] = _DEPTH.get(opt, 0) + 1
+    try:
+        yield opt
+    finally:
+        _DEPTH[opt] -= 1
+        if not _DEPTH[opt]:
+            del _DEPTH[opt]
+
+
+def active(opt: Any) -> bool:
+    """Whether `opt` is inside ``sharded_state_dicts``."""
+    return _DEPTH.get(opt, 0) > 0
+
+
+def exact_storage(t: Tensor) -> Tensor:
+    """`t` (a contiguous CPU tensor) as a tensor that aliases its memory through a storage of exactly
+    its size. torch's FileSystemWriter clones a view of a larger storage (so as not to write the whole
+    storage) and keeps the clone until the rank's file is closed: about this rank's share of the state.
+    An exact storage is written as it is, so saving costs no memory beyond views."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return t
+    buffer = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    buffer.owner = t  # the memory stays alive as long as the alias does
+    return torch.frombuffer(buffer, dtype=t.dtype)
+
+
+class ShardedParamState(Tensor):
+    """One state tensor of one param (fp32, the param's shape) of which this rank holds the flat ranges
+    (in the param's memory order) given as ``ranges``: [(first element, 1-D values)], views of the
+    optimizer's shard. Implements torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything
+    else raises a TypeError.
+
+    dcp.save reads the views. dcp.load plans its reads through ``__create_chunk_list__`` (which dcp.save
+    never calls): from then on the tensor holds a CPU copy of its values, which dcp.load overwrites,
+    never the optimizer's own state. So a load that fails halfway, or a dcp.load not followed by
+    ``set_state_dict``/``load_state_dict`` (which checks everything, then applies it), changes nothing."""
+
+    _ranges: tuple[tuple[int, Tensor], ...]
+    _stride: tuple[int, ...]
+    _order: tuple[int, ...]
+    _boxes: tuple[tuple[Box, Tensor], ...]
+    _copied: bool
+
+    @staticmethod
+    def __new__(
+        cls, shape: torch.Size, stride: tuple[int, ...], device: torch.device, ranges: list[tuple[int, Tensor]]
+    ) -> ShardedParamState:
+        self = Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=device)
+        self._stride = tuple(stride)
+        self._order = memory_order(shape, stride)
+        self._copied = False
+        self._hold(ranges)
+        return self
+
+    def _hold(self, ranges: Iterable[tuple[int, Tensor]]) -> None:
+        self._ranges = tuple(sorted(ranges, key=lambda r: r[0]))
+        self._boxes = tuple(
+            (box, values[box.start - first : box.start - first + box.numel])
+            for first, values in self._ranges
+            for box in boxes(self.shape, self._stride, first, first + values.numel())
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(
+            f"{func}: a ShardedParamState holds only this rank's part of a param's optimizer state, for "
+            "torch.distributed.checkpoint (dcp.save/dcp.load); call torch's state-dict functions "
+            "with full_state_dict, cpu_offload or async staging outside sharded_state_dicts(opt), "
+            "or use opt.state_dict() for whole tensors"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        held = sum(v.numel() for _, v in self._ranges)
+        return f"ShardedParamState(shape={tuple(self.shape)}, {held} of {self.numel()} elements on this rank)"
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            "a ShardedParamState (this rank's part of a param's optimizer state) cannot be pickled: save "
+            "it with torch.distributed.checkpoint, or take opt.state_dict() outside sharded_state_dicts"
+        )
+
+    # ---------------------------------------------------------------- torch.distributed.checkpoint
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        properties = TensorProperties(dtype=torch.float32)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(box.offsets), i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
+            )
+            for i, (box, chunk) in enumerate(zip((b for b, _ in self._boxes), self._chunks()))
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """The boxes dcp.load is to fill: first, a CPU copy of the values to fill (see the class docstring)."""
+        if not self._copied:
+            self._hold((first, values.detach().to("cpu", copy=True)) for first, values in self._ranges)
+            self._copied = True
+        return self._chunks()
+
+    def _chunks(self) -> list[ChunkStorageMetadata]:
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)) for box, _ in self._boxes
+        ]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        """The box at ``index.offset``: a view of this rank's values (dcp.save reads it, dcp.load
+        writes it)."""
+        hint = index.index
+        if hint is None or not (0 <= hint < len(self._boxes)) or self._boxes[hint][0].offsets != tuple(index.offset):
+            hint = next((i for i, (b, _) in enumerate(self._boxes) if b.offsets == tuple(index.offset or ())), None)
+            if hint is None:
+                raise ValueError(f"{index.fqn}: this rank holds no box at offsets {index.offset}")
+        box, values = self._boxes[hint]
+        return box_view(exact_storage(values), box, self._order)
+
+    # ---------------------------------------------------------------- loading
+
+    def values(self, offset: int, numel: int) -> Tensor | None:
+        """Elements [offset, offset + numel) in memory order (1-D), or None unless all are held here."""
+        pieces, at = [], offset
+        for first, values in self._ranges:
+            if first <= at < first + values.numel():
+                take = min(offset + numel, first + values.numel()) - at
+                pieces.append(values[at - first : at - first + take])
+                at += take
+        if at < offset + numel:
+            return None
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def memory_order(self) -> tuple[int, ...]:
+        return self._order
+
+
+# ---------------------------------------------------------------------- the optimizer's side
+
+
+def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
+    """The ``state`` of the sharded form: per param (keyed by its position in param_groups), ``step`` (a
+    float32 scalar, as torch.optim's) and a ShardedParamState per key. Builds the bucket layout where
+    there is none yet (a collective: every rank calls it)."""
+    buckets = opt.shard_buckets()
+    params = opt.checkpoint_params()
+    ranges: list[dict[str, list[tuple[int, Tensor]]]] = [{k: [] for k in STATE_KEYS} for _ in params]
+    for b in buckets:
+        for f in b.fragments:
+            values = {
+                "param": fragment_master(b, f, params),
+                "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
+                "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel],
+            }
+            for key in STATE_KEYS:
+                ranges[f.param][key].append((f.param_offset, values[key].detach()))
+    step = float(opt.step_count)
+    device = buckets[0].device if buckets else params[0].device
+    state: dict[int, dict[str, Tensor]] = {}
+    for g, p, held in zip(opt.checkpoint_indices(), params, ranges):
+        state[g] = {"step": torch.tensor(step)}
+        for key in STATE_KEYS:
+            if p.numel() == 0:  # no rank holds any of it: a plain empty tensor, saved once
+                state[g][key] = torch.zeros(p.shape, dtype=torch.float32)
+            else:
+                state[g][key] = ShardedParamState(p.shape, p.stride(), device, held[key])
+    return state
+
+
+def check_covers(opt: ShardedOptimizer, per_param: dict[int, dict[str, Tensor]]) -> None:
+    """ValueError unless every ShardedParamState in `per_param` (param position -> key -> tensor) holds,
+    in this param's memory order, every element of it this rank needs."""
+    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
+    for b in opt.shard_buckets():
+        for f in b.fragments:
+            g = index[f.param]
+            for key, t in per_param.get(g, {}).items():
+                if not isinstance(t, ShardedParamState):
+                    continue
+                p = params[f.param]
+                order = memory_order(p.shape, p.stride())
+                if t.memory_order() != order:
+                    raise ValueError(
+                        f"state {key!r} of param {g} was made for another memory format (dims in "
+                        f"memory order {t.memory_order()}, the param's {order})"
+                    )
+                if t.values(f.param_offset, f.numel) is None:
+                    raise ValueError(
+                        f"state {key!r} of param {g} is a sharded state dict that lacks elements "
+                        f"{f.param_offset}..{f.param_offset + f.numel - 1} this rank holds: a sharded state dict loads "
+                        "only into the optimizer (and layout) it was taken from; dcp.load it into this optimizer's "
+                        "own state_dict() taken inside sharded_state_dicts(opt)"
+                    )
