@@ -31,9 +31,16 @@ CPU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cpp"), *CS
 CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
 
 # -fno-math-errno: sqrtf needs no errno branch, so the CPU Adam loop vectorizes (same results).
+# -fno-trapping-math: fp operations raise no traps the code relies on (none are enabled), so the
+# compiler may compute both sides of a select, which the 16-bit conversions' loops need to vectorize;
+# it changes no value (rounding, NaNs, infinities and signed zeros stay IEEE).
 # -ffp-contract=off: --fmad=false's counterpart, so an FMA host (aarch64, -march=x86-64-v3) computes
 # the shared math in csrc/math with the GPU's roundings instead of contracting it into FMAs.
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+CXX_FLAGS = [
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter",
+]  # fmt: skip
+# The CPU kernels' parallel_for (csrc/cpu/parallel.h) on torch's thread pool: host code, not emulated.
+PARALLEL_SOURCE = "csrc/parallel.cpp"
 # --fmad=false: no fused multiply-add contraction, so the shared math in csrc/math gives the same
 # bits on the GPU as in the CPU kernels that the tests run (the kernels are memory bound: no cost).
 NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
@@ -103,7 +110,8 @@ def emulated_wrappers() -> list[str]:
 
 def emulated_extension_kwargs() -> dict:
     """Keyword arguments for the CppExtension distopt._C_emulated."""
-    bindings = [s for s in CPU_SOURCES if not s.startswith("csrc/cpu/")]  # binding.cpp, registration.cpp
+    # binding.cpp, registration.cpp
+    bindings = [s for s in CPU_SOURCES if not s.startswith("csrc/cpu/") and s != PARALLEL_SOURCE]
     sources = bindings + EMULATION_RUNTIME + ["csrc/emulation/module.cpp"] + emulated_wrappers()
     return {
         "sources": sources,
