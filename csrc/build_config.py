@@ -36,9 +36,15 @@ CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
 # it changes no value (rounding, NaNs, infinities and signed zeros stay IEEE).
 # -ffp-contract=off: --fmad=false's counterpart, so an FMA host (aarch64, -march=x86-64-v3) computes
 # the shared math in csrc/math with the GPU's roundings instead of contracting it into FMAs.
+# -fopenmp: at::parallel_for (csrc/parallel.cpp) is an inline template that is only parallel where
+# the including code is compiled with OpenMP; without it, it runs the whole range on one thread. The
+# module then needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
+# so the kernels share torch's OpenMP thread pool and torch.set_num_threads().
 CXX_FLAGS = [
-    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter",
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+    "-Wall", "-Wextra", "-Wno-unused-parameter",
 ]  # fmt: skip
+LINK_FLAGS = ["-fopenmp"]
 # The CPU kernels' parallel_for (csrc/cpu/parallel.h) on torch's thread pool: host code, not emulated.
 PARALLEL_SOURCE = "csrc/parallel.cpp"
 # --fmad=false: no fused multiply-add contraction, so the shared math in csrc/math gives the same
@@ -175,7 +181,7 @@ def extension_kwargs(with_cuda: bool) -> dict:
     extra = {"cxx": list(CXX_FLAGS)}
     if with_cuda:
         extra["nvcc"] = list(NVCC_FLAGS)
-    return {"sources": sources, "define_macros": macros, "extra_compile_args": extra}
+    return {"sources": sources, "define_macros": macros, "extra_compile_args": extra, "extra_link_args": LINK_FLAGS}
 
 
 def cxx_standard() -> int:
@@ -198,7 +204,8 @@ def write_cmake(path: Path) -> None:
 
     kw = extension_kwargs(with_cuda)
     device = "cuda" if with_cuda else "cpu"
-    libs = ["c10", "torch", "torch_cpu", "torch_python"] + (["c10_cuda", "torch_cuda", "cudart"] if with_cuda else [])
+    libs = ["c10", "torch", "torch_cpu", "torch_python", "gomp"]  # gomp: see LINK_FLAGS
+    libs += ["c10_cuda", "torch_cuda", "cudart"] if with_cuda else []
     lib_dirs = ce.library_paths(device_type=device)
     torch_defines = ["TORCH_API_INCLUDE_EXTENSION_H", f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     defines = [f"{k}={v}" for k, v in kw["define_macros"]] + ["TORCH_EXTENSION_NAME=_C"] + torch_defines
