@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -115,6 +116,39 @@ def run_everywhere(make: Callable[[], object], op: Callable[[object], list[Tenso
             expected = outputs
         else:
             assert_each_bits_equal(outputs, expected, f"{threads} threads, isa={isa or 'best'} vs 1 thread baseline")
+
+
+def calling_thread_share(fn: Callable[[], object], reps: int = 3) -> float:
+    """CPU time of the calling thread / CPU time of the whole process while ``fn`` runs ``reps`` times
+    (CPU time, so other load on the machine does not change it): ~1 when ``fn`` runs on this thread
+    only, ~1/k when k threads share the work."""
+    fn()
+    time.sleep(0.05)  # let OpenMP workers of earlier calls stop spinning
+    thread0, process0 = time.thread_time(), time.process_time()
+    for _ in range(reps):
+        fn()
+    return (time.thread_time() - thread0) / (time.process_time() - process0)
+
+
+def test_kernels_run_on_torchs_threads():
+    """With 2 torch threads a big op's work is shared (at::parallel_for really splits it: without
+    -fopenmp it silently runs serially); with 1 thread it all runs on the calling thread."""
+    n = 1 << 23
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.ones(n)
+    ops_under_test = {
+        "adam": lambda: ops.adam_step_(
+            [p], [g], [m], [v], lr=1e-3, step=1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True
+        ),  # fmt: skip
+        "l2norm": lambda: ops.l2norm([g, p]),
+        "scale_": lambda: ops.scale_([g], [m], scalar(0.5)),
+    }
+    for name, fn in ops_under_test.items():
+        with threads_and_isa(1, None):
+            single = calling_thread_share(fn)
+        with threads_and_isa(2, None):
+            shared = calling_thread_share(fn)
+        assert single > 0.9, f"{name}: 1 thread, but the calling thread did only {single:.0%} of the work"
+        assert shared < 0.75, f"{name}: 2 threads, but the calling thread did {shared:.0%} of the work"
 
 
 # ----------------------------------------------------------------------------------------------------
