@@ -135,7 +135,7 @@ class Targets:
             self._row(case, t, t, Timing(bw, bw, bw, t.reps), "-", "bandwidth", True, 0, f"{bw:.1f} GB/s")
             self.rows[-1].gbps = bw
 
-    def adam_fp32(self, deepspeed: Callable[[list[Tensor]], Callable[[], None] | None] | None) -> None:
+    def adam_fp32(self, deepspeed: Callable[[list[Tensor]], Callable[[], None]] | None) -> None:
         d, t = _adam_state(self.n, torch.float32), _adam_state(self.n, torch.float32)
         for k in d:
             t[k].copy_(d[k])
@@ -159,8 +159,17 @@ class Targets:
         )  # fmt: skip
         if deepspeed is not None:
             ds_state = _adam_state(self.n, torch.float32)
+            ref = {k: x.clone() for k, x in ds_state.items()}
             step = deepspeed([ds_state["p"], ds_state["g"], ds_state["m"], ds_state["v"]])
-            if step is not None:
+            ref_opt = _torch_adamw(ref["p"], ref["g"], ref["m"], ref["v"])
+
+            def ds_check() -> None:
+                step()
+                ref_opt.step()
+                _close(ds_state["p"], ref["p"], "DeepSpeedCPUAdam params vs torch")
+                _close(ds_state["v"], ref["v"], "DeepSpeedCPUAdam exp_avg_sq vs torch")
+
+            if self._checked("adam fp32 vs DeepSpeedCPUAdam", ds_check):
                 a_t, b_t, r_t = self._time(Contender(lambda: _distopt_adam(d, [])), Contender(step))
                 self._row("adam fp32 vs DeepSpeed", a_t, b_t, r_t, "DeepSpeedCPUAdam", "peer", True, 28 * self.n)
 
@@ -225,19 +234,19 @@ class Targets:
                       frac >= 0.8, nbytes, f"baseline column: torch's equivalent ({b_t.median_ms:.3g} ms)")  # fmt: skip
 
 
-def deepspeed_peer() -> tuple[Callable[[list[Tensor]], Callable[[], None] | None] | None, str]:
+def deepspeed_peer() -> tuple[Callable[[list[Tensor]], Callable[[], None]] | None, str]:
     """A factory of DeepSpeedCPUAdam steps over (p, g, m, v), or None and why not."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as exc:  # noqa: BLE001  (any import failure means: no peer)
         return None, f"deepspeed not importable: {type(exc).__name__}: {str(exc)[:200]}"
 
-    def make(tensors: list[Tensor]) -> Callable[[], None] | None:
+    def make(tensors: list[Tensor]) -> Callable[[], None]:
         p, g, m, v = tensors
-        p = torch.nn.Parameter(p)
-        p.grad = g
-        opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
-        opt.state[p] = {"step": STEP - 1, "exp_avg": m, "exp_avg_sq": v}
+        param = torch.nn.Parameter(p)  # shares p's storage
+        param.grad = g
+        opt = DeepSpeedCPUAdam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+        opt.state[param] = {"step": STEP - 1, "exp_avg": m, "exp_avg_sq": v}
         return opt.step
 
     return make, "deepspeed importable"
