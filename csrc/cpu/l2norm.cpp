@@ -88,20 +88,33 @@ double sum_squares_baseline(const float* x, int64_t n, uint32_t& bad) {
 #endif
 
 #if defined(DISTOPT_CPU_HAS_AVX2_PATH)
-__attribute__((target("avx2"))) double sum_squares_avx2(const float* x, int64_t n, uint32_t& bad) {
+// Eight elements as fp32: floats, or bf16 widened in place (the exact shift of to_float).
+template <typename T>
+__attribute__((target("avx2"))) inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    static_assert(std::is_same_v<T, float>);
+    return _mm256_loadu_ps(p);
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2"))) double sum_squares_avx2(const T* x, int64_t n, uint32_t& bad) {
   const __m256i exp_mask = _mm256_set1_epi32(0x7f800000);
   __m256d acc[kLanes / 4];
   for (auto& a : acc) a = _mm256_setzero_pd();
   __m256i flags = _mm256_setzero_si256();
-  float pad[kLanes] = {};
+  T pad[kLanes] = {};  // all-zero bits: +0.0 in every type
   for (int64_t j = 0; j < n; j += kLanes) {
-    const float* p = x + j;
+    const T* p = x + j;
     if (n - j < kLanes) {
-      std::memcpy(pad, p, static_cast<size_t>(n - j) * sizeof(float));
+      std::memcpy(static_cast<void*>(pad), p, static_cast<size_t>(n - j) * sizeof(T));
       p = pad;
     }
     for (int h = 0; h < kLanes / 8; ++h) {
-      const __m256 v = _mm256_loadu_ps(p + 8 * h);
+      const __m256 v = load8(p + 8 * h);
       flags = _mm256_or_si256(flags,
                               _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exp_mask), exp_mask));
       const __m256 sq = _mm256_mul_ps(v, v);
@@ -120,6 +133,10 @@ template <typename T, CpuIsa kIsa>
 struct NormRange {
   // Sum of the squares of x[0, n) (n <= kBlock); 16-bit inputs are widened first (exactly).
   static DISTOPT_ALWAYS_INLINE double block(const T* __restrict x, int64_t n, uint32_t& bad) {
+#if defined(DISTOPT_CPU_HAS_AVX2_PATH)
+    // float and bf16 straight from memory; fp16 through the buffer below.
+    if constexpr (kIsa == CpuIsa::Avx2 && !std::is_same_v<T, half_t>) return sum_squares_avx2(x, n, bad);
+#endif
     const float* f;
     float buf[std::is_same_v<T, float> ? 1 : kBlock];
     if constexpr (std::is_same_v<T, float>) {
@@ -129,7 +146,7 @@ struct NormRange {
       f = buf;
     }
 #if defined(DISTOPT_CPU_HAS_AVX2_PATH)
-    if constexpr (kIsa == CpuIsa::Avx2) return sum_squares_avx2(f, n, bad);
+    if constexpr (kIsa == CpuIsa::Avx2) return sum_squares_avx2<float>(f, n, bad);
 #endif
     return sum_squares_baseline(f, n, bad);
   }
