@@ -4,8 +4,10 @@ Each row times distopt against a baseline measured in the same run, alternating 
 (``common.time_ab``) so that a machine shared with other work slows both alike; the ratio is the
 median of the per-pair ratios, with its 10th-90th percentile spread:
 
-  copy / triad       dst.copy_(src) and a = b + s * c on fp32: the memory bandwidth, the bound the
-                     kernels are held to;
+  copy / triad / scale in place
+                     dst.copy_(src), a = b + s * c and x *= s on fp32, at 1 thread and at the run's
+                     thread count: the memory bandwidth (the best median), the bound the kernels are
+                     held to;
   adam fp32          ops.adam_step_ vs torch.optim.AdamW(fused=True).step(): >= 0.95x its speed, and
                      28 B/element at >= 90% of the copy/triad bandwidth;
   adam bf16 master   fp32 masters + bf16 grads + bf16 param_outs in one pass, vs torch's best
@@ -17,7 +19,7 @@ median of the per-pair ratios, with its 10th-90th percentile spread:
 
 Every pair is first checked for correctness (no number for a wrong result). Bytes count every read
 and write once, plus the write-allocate read of an output that is not read first (the cache line is
-loaded before it is written): copy 12 B/element, triad 16, Adam fp32 28 (p, m, v are read before
+loaded before it is written): copy 12 B/element, triad 16, scale in place 8, Adam fp32 28 (p, m, v are read before
 written), the bf16-master update 30, cast fp32 -> bf16 8, out-of-place fp32 scale 12.
 """
 
@@ -123,17 +125,31 @@ class Targets:
         return True
 
     def bandwidth_rows(self) -> None:
-        """copy and triad; the larger is the bound the kernel rows are measured against."""
-        n = self.n
+        """copy, triad and an in-place scale (x *= s: no write-allocate), at 1 thread and at the run's
+        thread count (torch's static split of these ops can lose on a shared machine); the best
+        median is the bound the kernel rows are measured against."""
+        n, threads = self.n, torch.get_num_threads()
         src, dst, b, c = torch.randn(n), torch.empty(n), torch.randn(n), torch.randn(n)
         copy = Contender(lambda: dst.copy_(src))
         triad = Contender(lambda: torch.add(b, c, alpha=3.0, out=dst))
-        copy_t, triad_t, ratio_t = self._time(copy, triad)
-        copy_bw, triad_bw = gbps(12 * n, copy_t.median_ms), gbps(16 * n, triad_t.median_ms)
-        self.copy_bandwidth, self.bandwidth = copy_bw, max(copy_bw, triad_bw)
-        for case, t, bw in (("copy fp32", copy_t, copy_bw), ("triad fp32", triad_t, triad_bw)):
-            self._row(case, t, t, Timing(bw, bw, bw, t.reps), "-", "bandwidth", True, 0, f"{bw:.1f} GB/s")
-            self.rows[-1].gbps = bw
+        scale = Contender(lambda: b.mul_(1.0))
+        best: dict[str, float] = {}
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            copy_t, triad_t, _ = self._time(copy, triad)
+            scale_t, _, _ = self._time(scale, copy)
+            for case, timing, per_elem in (
+                ("copy", copy_t, 12),
+                ("triad", triad_t, 16),
+                ("scale in place", scale_t, 8),
+            ):
+                bw = gbps(per_elem * n, timing.median_ms)
+                best[case] = max(best.get(case, 0.0), bw)
+                row = self._row(f"{case} fp32, {t} thread(s)", timing, timing, Timing(bw, bw, bw, timing.reps), "-",
+                                "bandwidth", True, 0, f"{bw:.1f} GB/s ({per_elem} B/element)")  # fmt: skip
+                row.gbps = bw
+        torch.set_num_threads(threads)
+        self.copy_bandwidth, self.bandwidth = best["copy"], max(best.values())
 
     def adam_fp32(self, deepspeed: Callable[[list[Tensor]], Callable[[], None]] | None) -> None:
         d, t = _adam_state(self.n, torch.float32), _adam_state(self.n, torch.float32)
