@@ -9,6 +9,7 @@ a GPT-like model ("list"):
               AdamW(fused) -> copy of the fp32 masters into the model params, against distopt's
               l2norm (+ found_inf) -> clip coefficient on device -> adam_step_ (+ param_outs);
   l2norm      the multi-tensor norm against torch._foreach_norm + vector_norm(stack(...)).
+On CPU (--threads, default 2) it then prints the CPU kernel targets table (cpu_targets.py).
 Every configuration is first checked against torch (a benchmark never reports a number for wrong
 output), then timed (see common.py). GB/s counts each tensor read or written once at its dtype, the
 minimum traffic of the fused pass; torch rows are given the same byte count, so their GB/s is an
@@ -36,9 +37,11 @@ from common import (
     Series,
     TimingConfig,
     copy_bandwidth,
+    cpu_model,
     gbps,
     kernels_in_use,
     plot_bandwidth,
+    plot_bars,
     run_metadata,
     size_label,
     table_header,
@@ -453,6 +456,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json and results.png")
     parser.add_argument("--sizes", nargs="+", type=parse_size, help="total elements, e.g. 1M 4M 16M 64M")
     parser.add_argument("--quick", action="store_true", help="a few runs per measurement (smoke test)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU: torch threads (default 2)")
+    parser.add_argument("--target-size", type=parse_size, help="CPU targets table: elements (default 16M)")
     return parser.parse_args(argv)
 
 
@@ -465,9 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     timing = QUICK_TIMING if args.quick else TIMING[device.type]
     if device.type == "cpu":
-        # distopt's CPU kernels are single-threaded loops: compare like with like, and avoid OpenMP
-        # barrier stalls that make multi-threaded timings erratic on a shared machine.
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)  # distopt's CPU kernels and torch's share torch's threads
     torch.manual_seed(0)
 
     copy_gbps, copy_timing = copy_bandwidth(device, COPY_NUMEL[device.type] >> (2 if args.quick else 0), timing)
@@ -486,6 +489,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for dtype in NORM_DTYPES:
                 bench.l2norm(dtype, layout, total)
 
+    targets: dict = {}
+    if device.type == "cpu":
+        from cpu_targets import run_targets  # the CPU kernel targets table (issue 11, item 2)
+
+        n = args.target_size or (1 << 20 if args.quick else 16 << 20)
+        rows, failures, ds_note = run_targets(n, 3 if args.quick else 15, 1 if args.quick else 3, not args.quick)
+        bench.failures += failures
+        targets = {"cpu_targets": rows, "cpu_targets_numel": n, "deepspeed": ds_note, "machine": cpu_model()}
+
     args.out.mkdir(parents=True, exist_ok=True)
     method = "CUDA events, L2 flushed before each run" if device.type == "cuda" else "time.perf_counter"
     meta = run_metadata(
@@ -494,10 +506,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         copy_bandwidth_gbps=copy_gbps,
         timing={**dataclasses.asdict(timing), "method": method},
         failures=bench.failures,
+        threads=torch.get_num_threads(),
+        **targets,
     )
     write_json(args.out / "results.json", meta, bench.rows)
     title = f"distopt kernels on {meta['device_name']} (torch {meta['torch']}, {meta['git_commit'] or 'no git'})"
     plot_bandwidth(args.out / "results.png", _panels(bench.rows), copy_gbps, title)
+    if targets:
+        rows = targets["cpu_targets"]
+        ratios = ([r["ratio"] for r in rows], [(r["ratio_p10"], r["ratio_p90"]) for r in rows])
+        plot_bars(
+            args.out / "cpu_targets.png",
+            [r["case"] for r in rows],
+            {"ratio (see target)": ratios},
+            f"{title}, {torch.get_num_threads()} threads, {size_label(targets['cpu_targets_numel'])}",
+        )
     print(
         f"\nwrote {args.out}/results.json" + (f"; {len(bench.failures)} correctness FAILURES" if bench.failures else "")
     )

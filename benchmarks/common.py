@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -128,6 +129,32 @@ def time_fn(
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
 
 
+def time_ab(
+    fn_a: Callable[[], Any],
+    fn_b: Callable[[], Any],
+    reps: int,
+    warmup: int = 2,
+    setup_a: Callable[[], Any] | None = None,
+    setup_b: Callable[[], Any] | None = None,
+) -> tuple[Timing, Timing, Timing]:
+    """Times two CPU functions alternately, A then B, ``reps`` times after ``warmup`` pairs, so that
+    load from other work on a shared machine falls on both alike. Returns A's and B's timings and
+    the summary of the per-pair ratios B/A (A's speedup over B; a Timing whose fields are ratios)."""
+    times_a, times_b = [], []
+    for i in range(warmup + reps):
+        pair = []
+        for fn, setup in ((fn_a, setup_a), (fn_b, setup_b)):
+            if setup is not None:
+                setup()
+            start = time.perf_counter()
+            fn()
+            pair.append((time.perf_counter() - start) * 1e3)
+        if i >= warmup:
+            times_a.append(pair[0])
+            times_b.append(pair[1])
+    return summarize(times_a), summarize(times_b), summarize([b / a for a, b in zip(times_a, times_b)])
+
+
 def gbps(nbytes: int, ms: float) -> float:
     """Bandwidth in GB/s (1e9 bytes per second)."""
     return nbytes / (ms * 1e-3) / 1e9
@@ -183,11 +210,22 @@ def git_commit() -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name(device: torch.device) -> str:
     """Human-readable name of the device the benchmark ran on."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} torch threads)"
+    return f"{cpu_model()}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads)"
 
 
 def run_metadata(device: torch.device, **extra: Any) -> dict[str, Any]:

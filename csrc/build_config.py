@@ -31,9 +31,22 @@ CPU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cpp"), *CS
 CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
 
 # -fno-math-errno: sqrtf needs no errno branch, so the CPU Adam loop vectorizes (same results).
+# -fno-trapping-math: fp operations raise no traps the code relies on (none are enabled), so the
+# compiler may compute both sides of a select, which the 16-bit conversions' loops need to vectorize;
+# it changes no value (rounding, NaNs, infinities and signed zeros stay IEEE).
 # -ffp-contract=off: --fmad=false's counterpart, so an FMA host (aarch64, -march=x86-64-v3) computes
 # the shared math in csrc/math with the GPU's roundings instead of contracting it into FMAs.
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+# -fopenmp: at::parallel_for (csrc/parallel.cpp) is an inline template that is only parallel where
+# the including code is compiled with OpenMP; without it, it runs the whole range on one thread. The
+# module then needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
+# so the kernels share torch's OpenMP thread pool and torch.set_num_threads().
+CXX_FLAGS = [
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+    "-Wall", "-Wextra", "-Wno-unused-parameter",
+]  # fmt: skip
+LINK_FLAGS = ["-fopenmp"]
+# The CPU kernels' parallel_for (csrc/cpu/parallel.h) on torch's thread pool: host code, not emulated.
+PARALLEL_SOURCE = "csrc/parallel.cpp"
 # --fmad=false: no fused multiply-add contraction, so the shared math in csrc/math gives the same
 # bits on the GPU as in the CPU kernels that the tests run (the kernels are memory bound: no cost).
 NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
@@ -103,7 +116,8 @@ def emulated_wrappers() -> list[str]:
 
 def emulated_extension_kwargs() -> dict:
     """Keyword arguments for the CppExtension distopt._C_emulated."""
-    bindings = [s for s in CPU_SOURCES if not s.startswith("csrc/cpu/")]  # binding.cpp, registration.cpp
+    # binding.cpp, registration.cpp
+    bindings = [s for s in CPU_SOURCES if not s.startswith("csrc/cpu/") and s != PARALLEL_SOURCE]
     sources = bindings + EMULATION_RUNTIME + ["csrc/emulation/module.cpp"] + emulated_wrappers()
     return {
         "sources": sources,
@@ -167,7 +181,7 @@ def extension_kwargs(with_cuda: bool) -> dict:
     extra = {"cxx": list(CXX_FLAGS)}
     if with_cuda:
         extra["nvcc"] = list(NVCC_FLAGS)
-    return {"sources": sources, "define_macros": macros, "extra_compile_args": extra}
+    return {"sources": sources, "define_macros": macros, "extra_compile_args": extra, "extra_link_args": LINK_FLAGS}
 
 
 def cxx_standard() -> int:
@@ -190,7 +204,8 @@ def write_cmake(path: Path) -> None:
 
     kw = extension_kwargs(with_cuda)
     device = "cuda" if with_cuda else "cpu"
-    libs = ["c10", "torch", "torch_cpu", "torch_python"] + (["c10_cuda", "torch_cuda", "cudart"] if with_cuda else [])
+    libs = ["c10", "torch", "torch_cpu", "torch_python", "gomp"]  # gomp: see LINK_FLAGS
+    libs += ["c10_cuda", "torch_cuda", "cudart"] if with_cuda else []
     lib_dirs = ce.library_paths(device_type=device)
     torch_defines = ["TORCH_API_INCLUDE_EXTENSION_H", f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     defines = [f"{k}={v}" for k, v in kw["define_macros"]] + ["TORCH_EXTENSION_NAME=_C"] + torch_defines

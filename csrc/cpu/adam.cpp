@@ -1,72 +1,113 @@
-// CPU traversal of the fused Adam update: a plain loop over each tensor calling the shared math.
-// The loop body has no branches and the lists never overlap (the binding checks aliasing), so the
-// compiler vectorizes it; the results stay those of the scalar math (no FMA contraction, IEEE sqrt
-// and division; -fno-math-errno only drops sqrtf's errno branch).
+// CPU traversal of the fused Adam update: the shared per-element math (math/adam.h) in loops the
+// compiler vectorises (SSE2, or AVX2 chosen at run time: isa.h), spread over torch's threads by
+// element ranges (flat.h). The loop body has no branches and the lists never overlap (the binding
+// checks aliasing); its vector code does the scalar math's IEEE operations lane by lane (no FMA
+// contraction, IEEE sqrt and division; -fno-math-errno only drops sqrtf's errno branch), so neither
+// the ISA nor the thread count changes a bit (Note [Host/device bit-identity] in math/adam.h).
+#include <vector>
+
 #include "../common/dispatch.h"
 #include "../kernels.h"
+#include "flat.h"
+#include "isa.h"
+#include "parallel.h"
 
 namespace distopt {
 namespace {
 
-template <typename P, typename G, typename O, bool kRem>
-void adam_tensor(const TensorLists& tl, int64_t i, const AdamCoeffs& c, float grad_scale) {
-  const float gf = grad_factor(grad_scale, c);
-  auto* p = static_cast<P*>(tl.lists[kParam].data[i]);
-  const auto* g = static_cast<const G*>(tl.lists[kGrad].data[i]);
-  auto* m = static_cast<float*>(tl.lists[kExpAvg].data[i]);
-  auto* v = static_cast<float*>(tl.lists[kExpAvgSq].data[i]);
-  O* out = nullptr;
-  if constexpr (is_present<O>) out = static_cast<O*>(tl.lists[kParamOut].data[i]);
-  int16_t* rem = nullptr;
-  if constexpr (kRem) rem = static_cast<int16_t*>(tl.lists[kRemainder].data[i]);
+struct AdamCtx {
+  const TensorLists* tl;
+  const std::vector<int64_t>* offsets;
+  AdamCoeffs coeffs;  // eager: the coefficients of every tensor
+  AdamHyper hyper;
+  double lr;
+  const std::vector<void*>* steps;  // capturable: per-tensor float32 step scalars (else nullptr)
+  float grad_scale;
+};
 
-  const int64_t n = tl.numel[i];
+template <typename P, typename G, typename O, bool kRem>
+struct AdamRange {
+  // Elements [0, n) of one tensor's lists (pointers already offset); O = NoList: no param_out.
+  static DISTOPT_ALWAYS_INLINE void piece(P* __restrict p, const G* __restrict g, float* __restrict m,
+                                          float* __restrict v, O* __restrict out, int16_t* __restrict rem,
+                                          int64_t n, const AdamCoeffs c, const float gf) {
 #pragma GCC ivdep
-  for (int64_t j = 0; j < n; ++j) {
-    float pj;
-    if constexpr (kRem) {
-      pj = join_bf16_remainder(p[j], rem[j]);
-    } else {
-      pj = to_float(p[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      float pj;
+      if constexpr (kRem) {
+        pj = join_bf16_remainder(p[j], rem[j]);
+      } else {
+        pj = to_float(p[j]);
+      }
+      float mj = m[j], vj = v[j];
+      adam_update(pj, to_float(g[j]) * gf, mj, vj, c);
+      m[j] = mj;
+      v[j] = vj;
+      if constexpr (kRem) {
+        split_bf16_remainder(pj, p[j], rem[j]);
+      } else {
+        p[j] = from_float<P>(pj);
+      }
+      if constexpr (is_present<O>) out[j] = from_float<O>(pj);
     }
-    float mj = m[j], vj = v[j];
-    adam_update(pj, to_float(g[j]) * gf, mj, vj, c);
-    m[j] = mj;
-    v[j] = vj;
-    if constexpr (kRem) {
-      split_bf16_remainder(pj, p[j], rem[j]);
-    } else {
-      p[j] = from_float<P>(pj);
-    }
-    if constexpr (is_present<O>) out[j] = from_float<O>(pj);
   }
-}
+
+  // The flat elements [b, e) (see flat.h).
+  static DISTOPT_ALWAYS_INLINE void run(const AdamCtx* ctx, int64_t b, int64_t e) {
+    const TensorLists& tl = *ctx->tl;
+    const std::vector<int64_t>& offsets = *ctx->offsets;
+    for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
+      const int64_t first = offsets[i];
+      const int64_t lo = b - first, hi = (e < offsets[i + 1] ? e : offsets[i + 1]) - first;
+      b = first + hi;
+      if (lo >= hi) continue;  // an empty tensor
+      AdamCoeffs c = ctx->coeffs;
+      if (ctx->steps != nullptr) {
+        c = adam_coeffs(ctx->hyper, ctx->lr, static_cast<double>(*static_cast<const float*>((*ctx->steps)[i])));
+      }
+      const float gf = grad_factor(ctx->grad_scale, c);
+      auto* p = static_cast<P*>(tl.lists[kParam].data[i]) + lo;
+      const auto* g = static_cast<const G*>(tl.lists[kGrad].data[i]) + lo;
+      auto* m = static_cast<float*>(tl.lists[kExpAvg].data[i]) + lo;
+      auto* v = static_cast<float*>(tl.lists[kExpAvgSq].data[i]) + lo;
+      int16_t* rem = nullptr;
+      if constexpr (kRem) rem = static_cast<int16_t*>(tl.lists[kRemainder].data[i]) + lo;
+      if constexpr (is_present<O>) {
+        auto* out = static_cast<O*>(tl.lists[kParamOut].data[i]);
+        if (out != nullptr) {
+          piece(p, g, m, v, out + lo, rem, hi - lo, c, gf);
+          continue;
+        }
+      }
+      // No param_outs, or this entry's param_out is the param itself.
+      AdamRange<P, G, NoList, kRem>::piece(p, g, m, v, nullptr, rem, hi - lo, c, gf);
+    }
+  }
+};
 
 }  // namespace
 
 void adam_cpu(const TensorLists& tl, const AdamArgs& args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
-  const float grad_scale = args.grad_scale != nullptr ? *args.grad_scale : 1.0f;
-  const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  AdamCtx ctx;
+  ctx.tl = &tl;
+  const std::vector<int64_t> offsets = flat_offsets(tl.numel);
+  ctx.offsets = &offsets;
+  ctx.hyper = args.hyper;
+  ctx.lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  ctx.steps = args.steps.empty() ? nullptr : &args.steps.data;
+  ctx.coeffs = adam_coeffs(args.hyper, ctx.lr, args.step);
+  ctx.grad_scale = args.grad_scale != nullptr ? *args.grad_scale : 1.0f;
   const bool has_remainder = !tl.lists[kRemainder].empty();
+  const CpuIsa isa = cpu_isa();
 
   dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], has_remainder,
                 [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
-                  using P = typename decltype(p_tag)::type;
-                  using G = typename decltype(g_tag)::type;
-                  using O = typename decltype(o_tag)::type;
-                  for (int64_t i = 0; i < tl.size(); ++i) {
-                    const double step =
-                        args.steps.empty() ? args.step
-                                           : static_cast<double>(*static_cast<const float*>(args.steps.data[i]));
-                    const AdamCoeffs c = adam_coeffs(args.hyper, lr, step);
-                    constexpr bool kRem = decltype(remainders)::value;
-                    if (is_present<O> && tl.lists[kParamOut].data[i] == nullptr) {
-                      adam_tensor<P, G, NoList, kRem>(tl, i, c, grad_scale);  // param_out aliases the param
-                    } else {
-                      adam_tensor<P, G, O, kRem>(tl, i, c, grad_scale);
-                    }
-                  }
+                  using Range = AdamRange<typename decltype(p_tag)::type, typename decltype(g_tag)::type,
+                                          typename decltype(o_tag)::type, decltype(remainders)::value>;
+                  parallel_for(0, offsets.back(), kGrainElements, [&](int64_t b, int64_t e) {
+                    run_for_isa<Range>(isa, static_cast<const AdamCtx*>(&ctx), b, e);
+                  });
                 });
 }
 

@@ -1,14 +1,35 @@
 // Per-element math shared by the CPU and CUDA kernels (compiled for host and device).
 //
-// Everything here is fp32 arithmetic in a fixed order, and the CUDA build disables FMA contraction
-// (--fmad=false), so the CPU kernels the tests run compute bit-identical results to the GPU ones.
-// The order follows torch.optim.AdamW's single-tensor path (lerp for the first moment, addcmul for
-// the second, addcdiv for the update) so fp32 results stay within a few ulps of torch.
+// Everything here is fp32 arithmetic in a fixed order. The order follows torch.optim.AdamW's
+// single-tensor path (lerp for the first moment, addcmul for the second, addcdiv for the update) so
+// fp32 results stay within a few ulps of torch.
+//
+// Note [Host/device bit-identity]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The CPU kernels (csrc/cpu) and the CUDA kernels (csrc/cuda) store the same bits for the same
+// inputs, whatever the host ISA or thread count, because:
+//   1. both evaluate this header's functions, each a fixed sequence of IEEE fp32 operations
+//      (+, -, *, / and sqrtf, all correctly rounded to nearest even on both sides: nvcc's defaults
+//      -prec-div=true -prec-sqrt=true -ftz=false; the host build never uses -ffast-math);
+//   2. no operation is fused or reassociated: nvcc runs with --fmad=false and the host with
+//      -ffp-contract=off (csrc/build_config.py), so an FMA host (x86-64-v3, aarch64) does not contract
+//      a * b + c either; the host's vector code (SSE2, or AVX2 chosen at run time) is the same
+//      operations lane by lane, and tests/test_fma_build.py rebuilds the CPU kernels with -mfma and
+//      checks the bits;
+//   3. the 16-bit conversions are the functions of Note [16-bit conversions] in common/types.h
+//      (round to nearest even, one NaN per format), never c10's or the intrinsics' own casts;
+//   4. a traversal only decides which elements a thread handles, never the order of operations
+//      within an element, so block, chunk and thread boundaries cannot change a result (the L2 norm
+//      is the exception: a sum, compared within NORM_RTOL, see csrc/cpu/l2norm.cpp).
+// Not covered: the bits of a NaN that fp32 arithmetic creates or propagates into the fp32 outputs
+// (exp_avg, exp_avg_sq, fp32 params): x86 propagates an operand's payload or makes 0xFFC00000, a
+// GPU makes 0x7FFFFFFF. Both are NaN; only the 16-bit stores canonicalise them.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/types.h"
 
@@ -107,26 +128,6 @@ DISTOPT_HD void adam_update(float& p, float g, float& m, float& v, const AdamCoe
   p = p - c.step_size * m / denom;
 }
 
-DISTOPT_HD uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-#endif
-}
-
-DISTOPT_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-#endif
-}
-
 DISTOPT_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
 
 // An fp32 master value stored as a bf16 (its high half, rounded to nearest) plus an int16 low
@@ -147,15 +148,21 @@ DISTOPT_HD void split_bf16_remainder(float x, bf16_t& hi, int16_t& lo) {
   hi = bf16_t(static_cast<uint16_t>(hi_bits), bf16_t::from_bits());
 }
 
-// Element load/store with the fp32 compute type.
-template <typename T>
-DISTOPT_HD float to_float(T x) {
-  return static_cast<float>(x);
-}
+// Element load/store with the fp32 compute type: the conversions of Note [16-bit conversions].
+DISTOPT_HD float to_float(float x) { return x; }
+DISTOPT_HD float to_float(bf16_t x) { return float_from_bf16_bits(x.x); }
+DISTOPT_HD float to_float(half_t x) { return float_from_half_bits(x.x); }
 
 template <typename T>
 DISTOPT_HD T from_float(float x) {
-  return static_cast<T>(x);
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return bf16_t(bf16_bits_from_float(x), bf16_t::from_bits());
+  } else if constexpr (std::is_same_v<T, half_t>) {
+    return half_t(half_bits_from_float(x), half_t::from_bits());
+  } else {
+    static_assert(std::is_same_v<T, float>, "fp32, bf16 or fp16");
+    return x;
+  }
 }
 
 }  // namespace distopt
