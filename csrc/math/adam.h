@@ -57,8 +57,8 @@ struct AdamCoeffs {
 
 // Note [Bit-identical coefficients]
 // adam_coeffs runs on the host for the eager update (CPU and CUDA kernels alike) and on the device in
-// the capturable CUDA kernel (Note [Capturable coefficients once per block] in cuda/adam.cu). Both give
-// the same bits because it uses only IEEE-754 basic operations, which every conforming implementation
+// the capturable CUDA kernel (Note [Capturable coefficients once per block] in cuda/adam_op.cuh). Both
+// give the same bits because it uses only IEEE-754 basic operations, which every conforming implementation
 // rounds the same way (correctly rounded, round to nearest even): double +, -, *, / and sqrt, and
 // double -> float conversion. The CUDA build keeps them that way (--fmad=false: no contraction into
 // FMAs; double division and sqrt are IEEE by default), as does the host build (-ffp-contract=off;
