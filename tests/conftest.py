@@ -11,6 +11,15 @@ from backends import backend  # noqa: E402, F401
 
 HAS_GPU = torch.cuda.is_available()
 
+# The distributed tests fork their ranks (tests/distributed/harness.py). torch's autograd engine decides
+# once, at a process's first backward, whether to start device threads (which make a forked child's
+# backward fail); it counts every registered device type, and FakeTensor use (torch.library.opcheck,
+# torch.compile) before that first backward makes it count one. A first backward now, before any test,
+# keeps the test process forkable whatever order the test files run in.
+_x = torch.ones(1, requires_grad=True)
+(_x * 2).sum().backward()
+del _x
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
@@ -26,9 +35,9 @@ def _seed():
 
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
-    """For the CPU op test modules (``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``): the
-    CPU kernels are single-threaded loops and the reference ops there are small: intra-op threads buy
-    nothing, and their spin-waits make the suite many times slower on a busy 2-core machine."""
+    """For the CPU op test modules (``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``): their
+    tensors are small, so intra-op threads buy nothing there, and their spin-waits make the suite many
+    times slower on a busy 2-core machine (test_cpu_kernels.py tests the kernels' threading)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
