@@ -128,7 +128,6 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
     no state). `eager`: one call per step count, whose params' step tensors become views of one
     tensor (same values, still float32 scalars: torch's format), the call's ``step_storage``."""
     calls: dict[tuple, Call] = {}
-    entries: dict[tuple, list[dict]] = {}
     unplanned = []
     for index, group in enumerate(groups):
         for p in group["params"]:
@@ -144,8 +143,6 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call = calls.get(key_)
             if call is None:
                 call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
-                entries[key_] = []
-            entries[key_].append(s)
             call.entries.append(s)
             call.model_params.append(p)
             call.params.append(s["param"] if master else p)
@@ -157,10 +154,10 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.shapes.append(p.shape)
             call.strides.append(p.stride())
     if eager:
-        for key_, call in calls.items():
+        for call in calls.values():
             call.step_storage = torch.stack(call.steps).to(torch.float32)
             call.steps = list(call.step_storage.unbind())
-            for s, step in zip(entries[key_], call.steps):
+            for s, step in zip(call.entries, call.steps):
                 s["step"] = step
     return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
                     list(state.values()))

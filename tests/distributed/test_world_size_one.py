@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_soak import finish_step
 from torch import nn
 
 from distopt import DistributedFusedAdam, FusedAdam
@@ -90,12 +91,7 @@ def train(
             for p in model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        finish_step(opt, scaler)
     return norms
 
 
