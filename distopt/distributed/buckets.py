@@ -7,6 +7,9 @@ A bucket's life in one iteration:
           added into ``state.grad`` (fp32) and the buffer released (kept if contiguous).
   update: the optimizer runs the fused kernel over ``state`` and writes this rank's slice of
           ``param_buffer`` (param_sync_dtype).
+With offload (``transfers`` given), ``state`` lives in host memory: each reduced shard is copied to the
+host as its reduction lands (``_land_grad``, folded in by ``settle_grad``), the host kernel updates the
+state, and ``send_params`` copies the new param slice back to the device before the all-gather.
   params: the slice is all-gathered into ``param_buffer`` and copied into the model params (unless the
           params are views of a contiguous buffer already).
 """
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+from ..offload import HostTransfers, Landing
 from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm
 from .layout import Bucket, Fragment, Piece
@@ -49,9 +53,11 @@ class ShardState:
     grad_valid: bool = False  # False: `grad` holds stale data, the next reduction overwrites it
 
     @classmethod
-    def zeros(cls, numel: int, device: torch.device, master: bool, remainders: bool) -> ShardState:
+    def zeros(cls, numel: int, device: torch.device, master: bool, remainders: bool,
+              host: HostTransfers | None = None) -> ShardState:
+        """Zeroed state on `device`, or in `host` memory (offload)."""
         def z(dtype: torch.dtype) -> Tensor:
-            return torch.zeros(numel, dtype=dtype, device=device)
+            return host.zeros(numel, dtype) if host is not None else torch.zeros(numel, dtype=dtype, device=device)
 
         return cls(exp_avg=z(torch.float32), exp_avg_sq=z(torch.float32), grad=z(torch.float32),
                    master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None)
@@ -71,6 +77,7 @@ class BucketRuntime:
         contiguous_param_buffer: bool,
         keep_param_buffer: bool = False,
         local: bool = False,
+        transfers: HostTransfers | None = None,
     ) -> None:
         self.index = index
         self.spec = spec
@@ -90,6 +97,12 @@ class BucketRuntime:
         self.state: ShardState | None = None
         self.runs: list[tuple[int, int, int]] = []  # (param group, start, end) in the shard
         self.direct_cache: tuple | None = None  # in_place buckets' kernel lists (update.direct_entries)
+        # Offload: the state is in host memory; the copies to and from it (see the module docstring).
+        self.transfers = transfers
+        self._grad_landing: tuple[Landing, Tensor | None, bool] | None = None  # (copy, staging, add?)
+        self._grad_staging: Tensor | None = None  # host copy of a reduced shard not in fp32
+        self.host_out: Tensor | None = None  # host param slice in param_sync_dtype (16-bit)
+        self._params_sent: Landing | None = None  # the last copy of the param slice to the device
 
         self.grad_buffer: Tensor | None = None
         self.written: set[int] = set()  # params accumulated into grad_buffer in this window
@@ -118,7 +131,9 @@ class BucketRuntime:
         """A zeroed grad buffer for a new accumulation window: params that send nothing, and the
         padding, reduce as zeros. A one-rank bucket whose fp32 grad shard holds no reduced grads yet
         accumulates straight into that shard (its reduction is the identity: no buffer, no copy)."""
-        if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid:
+        self.settle_grad()  # offload: the last round's copy to the host may still read this buffer
+        if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid \
+                and self.transfers is None:
             # Not zeroed: a param's first grad is copied in, its padding is zero (nothing else
             # writes there), and the params that deliver none are zeroed at the launch.
             self.grad_buffer = self.state.grad
@@ -183,7 +198,7 @@ class BucketRuntime:
                     self.grad_view(piece).zero_()
         if self.local:
             self._rs_out = self.grad_buffer  # one rank: the reduce-scatter returns its input
-        elif not state.grad_valid and self.grad_dtype == torch.float32:
+        elif not state.grad_valid and self.grad_dtype == torch.float32 and self.transfers is None:
             self._rs_out = state.grad  # reduce straight into the fp32 grad shard
         else:
             self._rs_out = torch.empty(self.spec.shard_numel, dtype=self.grad_dtype, device=self.device)
@@ -201,7 +216,9 @@ class BucketRuntime:
             redundant.wait()
         comm.event("reduce_scatter_done", self.index)
         state = self.state
-        if self._rs_out is not state.grad:
+        if self.transfers is not None:
+            self._land_grad(self._rs_out)
+        elif self._rs_out is not state.grad:
             if state.grad_valid:
                 state.grad.add_(self._rs_out)
             else:
@@ -209,6 +226,53 @@ class BucketRuntime:
         state.grad_valid = True
         self._rs_work = self._rs_out = None
         self.end_window()
+
+    def _land_grad(self, shard: Tensor) -> None:
+        """Offload: starts copying a reduced shard (on the device) to the host. An fp32 shard that is
+        the first since the last step goes straight into the host grad shard; any other lands in
+        staging and is folded in (added, or cast) by ``settle_grad``."""
+        self.settle_grad()
+        state = self.state
+        if shard.dtype == torch.float32 and not state.grad_valid:
+            self._grad_landing = (self.transfers.to_host([shard], [state.grad]), None, False)
+        else:
+            if self._grad_staging is None:
+                self._grad_staging = self.transfers.empty(self.spec.shard_numel, shard.dtype)
+            landing = self.transfers.to_host([shard], [self._grad_staging])
+            self._grad_landing = (landing, self._grad_staging, state.grad_valid)
+
+    def settle_grad(self) -> None:
+        """Offload: waits for the shard copy in flight and folds it into the host grad shard. Every
+        reader of ``state.grad`` runs after this (``GradSync.sync`` and ``clear`` call it)."""
+        if self._grad_landing is None:
+            return
+        landing, staging, add = self._grad_landing
+        self._grad_landing = None
+        landing.wait()
+        if staging is not None:
+            self.state.grad.add_(staging) if add else self.state.grad.copy_(staging)
+
+    def update_outputs(self) -> Tensor | None:
+        """Offload: the host buffer the update writes the param slice into (None where the slice is
+        the fp32 masters themselves), once the last copy out of it has been read."""
+        if self._params_sent is not None:
+            self._params_sent.wait()
+            self._params_sent = None
+        if self.param_dtype == torch.float32:
+            return None
+        if self.host_out is None:
+            self.host_out = self.transfers.empty(self.spec.shard_numel, self.param_dtype)
+        return self.host_out
+
+    def host_staging_bytes(self) -> int:
+        """Offload: bytes of the host staging buffers allocated so far (16-bit grads and params)."""
+        return sum(t.numel() * t.element_size() for t in (self._grad_staging, self.host_out) if t is not None)
+
+    def send_params(self) -> None:
+        """Offload: copies the updated param slice from the host to this rank's slice of the
+        device param buffer (before its all-gather, which is queued after it on the same stream)."""
+        src = self.host_out if self.param_dtype != torch.float32 else self.state.master
+        self._params_sent = self.transfers.to_device([src], [self.local_param_slice()])
 
     def end_window(self) -> None:
         """Forgets this accumulation window (after its reduction, or on zero_grad)."""
@@ -226,6 +290,8 @@ class BucketRuntime:
         """The update leaves the model params current, so there is nothing to gather: one rank whose
         params are the buffer (contiguous_param_buffer), or whose kernel writes them directly (their
         own masters, or written from the masters in their own dtype, as the gather would have)."""
+        if self.transfers is not None:
+            return False  # offload: the update runs on the host and its result comes back through the buffer
         return self.local and (self.contiguous_param or self.param_dtype == self.spec.group[2])
 
     def local_param_slice(self) -> Tensor:
@@ -315,6 +381,9 @@ class BucketRuntime:
         change when the slice is next gathered (``ParamSync.after_step``)."""
         s = self.state
         local = self.local_param_slice()
+        if self._params_sent is not None:  # offload: the masters are being copied out; let that finish
+            self._params_sent.wait()
+            self._params_sent = None
         if s.remainders is not None:
             hi, lo = split_bf16_remainder(masters)
             local.copy_(hi)

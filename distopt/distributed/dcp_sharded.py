@@ -212,7 +212,7 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
             for key in STATE_KEYS:
                 ranges[f.param][key].append((f.param_offset, values[key].detach()))
     step = float(opt.step_count)
-    device = buckets[0].device if buckets else params[0].device
+    device = buckets[0].state.exp_avg.device if buckets else params[0].device  # the host, with offload
     state: dict[int, dict[str, Tensor]] = {}
     for g, p, held in zip(opt.checkpoint_indices(), params, ranges):
         state[g] = {"step": torch.tensor(step)}

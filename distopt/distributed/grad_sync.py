@@ -186,6 +186,8 @@ class GradSync:
             self._launch_remaining()
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
+        for b in self.buckets:  # offload: the shards' copies to the host have landed
+            b.settle_grad()
         closed, self._iteration_open = self._iteration_open, False
         return closed
 
@@ -208,6 +210,7 @@ class GradSync:
         while self._in_flight:
             self._finish(self._in_flight.pop(0))
         for b in self.buckets:
+            b.settle_grad()  # offload: nothing may land in the host shard after it is dropped
             b.end_window()
             b.state.grad_valid = False
         self._next_launch = 0

@@ -12,7 +12,6 @@ from torch import Tensor
 from .. import ops
 from .._state_dicts import load_with_hooks, state_dict_with_hooks
 from .._validation import (
-    FLOAT_DTYPES,
     check_adam_hyperparameters,
     check_graph_lr,
     check_param_tensors,
@@ -20,11 +19,13 @@ from .._validation import (
     reconcile_weight_decay_switch,
 )
 from ..grad_scaling import GradScaling
+from ..offload import HOST, HostTransfers
 from . import agreement, checkpoint, torch_compat, update
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
+from .options import Storage, check_options, check_param_dtypes
 from .packing import Packing
 from .param_sync import ParamSync
 from .state_view import StateView, memory_report
@@ -87,6 +88,14 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
         With overlap_param_sync the param buffers then stay allocated between steps (the graph's
         forward gathers what its step wrote).
+      offload_optimizer=False: keep this rank's fp32 masters, moments and grad shard in host memory
+        (pinned for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard is copied to the
+        host as its reduce-scatter lands (overlapping the rest of backward), the fused CPU kernel
+        updates the shard, and the new param slice is copied back for the all-gather. Device memory
+        then holds only the model, its grads in flight and the sync buffers. Same numbers as
+        store_params=True without offload (the CPU and GPU kernels compute the same bits); same state
+        dicts. Not with capturable (a CUDA graph cannot hold the host update), store_params=False or
+        store_param_remainders (both drop the masters the host update needs).
 
     Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
     ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
@@ -143,15 +152,11 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         store_params: bool | None = None,
         store_param_remainders: bool = False,
         capturable: bool = False,
+        offload_optimizer: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        if dtype != torch.float32:
-            raise ValueError(f"DistributedFusedAdam keeps optimizer state in float32; dtype={dtype} is not supported")
-        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
-            if value is not None and value not in FLOAT_DTYPES:
-                raise ValueError(f"{name} must be float32, float16, bfloat16 or None, got {value}")
-        if bucket_cap_mb <= 0 or pipeline_size < 1:
-            raise ValueError(f"bucket_cap_mb must be > 0 and pipeline_size >= 1, got {bucket_cap_mb}, {pipeline_size}")
+        self._storage = Storage(store_params, store_param_remainders, offload_optimizer)
+        check_options(dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb, pipeline_size, self._storage, capturable)
         options = torch_compat.option_defaults(adam_w_mode, decoupled_weight_decay, maximize, amsgrad, foreach, fused,
                                                 differentiable, capturable)
         self.capturable = capturable  # add_param_group checks groups against it
@@ -170,6 +175,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.contiguous_param_buffer = contiguous_param_buffer
         self.store_param_remainders = store_param_remainders
         self.store_params = store_params
+        self.offload_optimizer = offload_optimizer
 
         # The trainable params, in param-group order; their index here names them everywhere.
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -183,6 +189,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if capturable:
             for g in self.param_groups:
                 g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32).to(self.device)
+        self._transfers = HostTransfers(self.device) if offload_optimizer else None
+        self.state_device = HOST if offload_optimizer else self.device  # where the shard state lives
         self._init_grad_scaling(self.device)
         self._step_count = 0
         self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
@@ -210,28 +218,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
                 f"communicates {expected} tensors"
             )
-        if self.store_param_remainders and not any(self._stores_remainders(self._param_dtype(p), p.dtype)
-                                                   for p in self._params):
-            raise ValueError("store_param_remainders applies to bfloat16 params synchronised in bfloat16; "
-                             "there are none")
-        for p in self._params:
-            if self.store_params is False and self._param_dtype(p) != p.dtype:
-                raise ValueError("store_params=False uses the model params as masters: param_sync_dtype must be "
-                                 f"the param dtype ({p.dtype})")
-            if self.contiguous_param_buffer and self._param_dtype(p) != p.dtype:
-                raise ValueError("contiguous_param_buffer makes params views of the sync buffer: param_sync_dtype "
-                                 f"must be the param dtype ({p.dtype})")
-
-    def _stores_remainders(self, param_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
-        return self.store_param_remainders and param_dtype == model_dtype == torch.bfloat16
-
-    def _stores_master(self, param_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
-        """Whether a bucket of params of `model_dtype`, synchronised in `param_dtype`, keeps fp32 masters."""
-        if self._stores_remainders(param_dtype, model_dtype):
-            return False
-        if self.store_params is None:
-            return not (param_dtype == model_dtype == torch.float32)
-        return self.store_params
+        check_param_dtypes([(self._param_dtype(p), p.dtype) for p in self._params], self._storage,
+                           self.contiguous_param_buffer)
 
     def _grad_dtype(self, p: Tensor) -> torch.dtype:
         return self._packing.grad_dtype(p)
@@ -306,14 +294,21 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             grad_dtype, param_dtype, model_dtype = spec.group
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
-                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local)
+                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local,
+                              transfers=self._transfers)
             b.state = ShardState.zeros(spec.shard_numel, self.device,
-                                       master=self._stores_master(param_dtype, model_dtype),
-                                       remainders=self._stores_remainders(param_dtype, model_dtype))
+                                       master=self._storage.master(param_dtype, model_dtype),
+                                       remainders=self._storage.remainders(param_dtype, model_dtype),
+                                       host=self._transfers)
             if b.state.master is not None:
                 srcs = [flat(self._params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
                         for f in b.fragments]
-                ops.cast_copy_(srcs, [b.state.master[f.shard_offset : f.shard_offset + f.numel] for f in b.fragments])
+                dsts = [b.state.master[f.shard_offset : f.shard_offset + f.numel] for f in b.fragments]
+                if self._transfers is not None:  # to the host: once, at layout time
+                    for src, dst in zip(srcs, dsts):
+                        dst.copy_(src)
+                else:
+                    ops.cast_copy_(srcs, dsts)
             if self.contiguous_param_buffer:
                 b.bind_params(self._params)
             b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
@@ -429,9 +424,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _norm_sq_and_flag(self) -> Tensor:
         """[sum of squares, inf/nan count] of the reduced grad shards, summed over the shard group."""
-        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        flag = torch.zeros(1, dtype=torch.float32, device=self.state_device)
         total, _ = ops.l2norm([b.state.grad for b in self._buckets], found_inf=flag)
-        result = torch.cat([total.square().reshape(1), flag])
+        result = torch.cat([total.square().reshape(1), flag]).to(self.device)  # offload: computed on the host
         self.comm.all_reduce_sum(result)
         return result
 
@@ -502,4 +497,4 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def memory_report(self) -> dict[str, int]:
         """This rank's persistent optimizer memory in bytes, by category (and the total)."""
-        return memory_report(self._buckets, self.contiguous_grad_buffer)
+        return memory_report(self._buckets, self.contiguous_grad_buffer, self.offload_optimizer)

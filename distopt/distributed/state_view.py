@@ -88,7 +88,7 @@ class StateView(Mapping):
         for key_name in STATE_KEYS:
             pieces = [self._piece(opt, b, f, key_name, b.index in pending) for b, f in parts]
             if not pieces:
-                entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.device)
+                entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.state_device)
             else:  # a param larger than a bucket has one fragment per bucket here: then a copy
                 entry[key_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return entry
@@ -132,13 +132,15 @@ class StateView(Mapping):
                         "dict(opt.state) or opt.state_dict()")
 
 
-def memory_report(buckets: list[BucketRuntime], contiguous_grad_buffer: bool) -> dict[str, int]:
-    """This rank's persistent optimizer memory in bytes, by category (and the total)."""
+def memory_report(buckets: list[BucketRuntime], contiguous_grad_buffer: bool, offload: bool = False) -> dict[str, int]:
+    """This rank's persistent optimizer memory in bytes, by category, with ``device`` and ``host``
+    totals (offload: the state and its staging buffers are host memory) and their sum, ``total``."""
     def nbytes(t: Tensor | None) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    report = {"master": 0, "moments": 0, "remainders": 0, "grad_shard": 0, "buffers": 0}
+    report = {"master": 0, "moments": 0, "remainders": 0, "grad_shard": 0, "buffers": 0, "staging": 0}
     for b in buckets:
+        report["staging"] += b.host_staging_bytes()
         s = b.state
         report["master"] += nbytes(s.master)
         report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)
@@ -148,5 +150,8 @@ def memory_report(buckets: list[BucketRuntime], contiguous_grad_buffer: bool) ->
             report["buffers"] += nbytes(b.grad_buffer)
         if b.keep_param_buffer:  # contiguous, or kept for a captured graph (allocated at the first step)
             report["buffers"] += nbytes(b.param_buffer)
-    report["total"] = sum(report.values())
+    state = sum(report[k] for k in ("master", "moments", "remainders", "grad_shard"))
+    report["device"] = report["buffers"] + (0 if offload else state)
+    report["host"] = report["staging"] + (state if offload else 0)
+    report["total"] = report["device"] + report["host"]
     return report

@@ -16,7 +16,10 @@ KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remai
 
 
 def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes)."""
+    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes).
+    With offload the calls run on the host and each bucket's param slice is then copied back."""
+    if opt.offload_optimizer:
+        grad_scale = grad_scale.to(opt.state_device)
     for (group_index, _), lists in kernel_lists(opt._buckets, opt._params, opt._group_of,
                                                 opt.contiguous_param_buffer).items():
         group = opt.param_groups[group_index]
@@ -26,6 +29,8 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
                            **hyper)
         else:
             ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
+    for b in opt._buckets if opt.offload_optimizer else ():
+        b.send_params()
 
 
 def check_param_sizes(params: list[Tensor], numels: list[int]) -> None:
@@ -49,6 +54,14 @@ def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: l
                 c = calls.setdefault(key, {k: [] for k in KEYS})
                 for k in KEYS:
                     c[k].extend(lists[k])
+            continue
+        if b.transfers is not None:  # offload: host masters, moments and grads; host param outputs
+            outs = b.update_outputs()
+            for group, start, end in b.runs:
+                c = calls.setdefault((group, b.spec.group), {k: [] for k in KEYS})
+                for k, t in zip(KEYS, (s.master, s.grad, s.exp_avg, s.exp_avg_sq, outs)):
+                    if t is not None:
+                        c[k].append(t[start:end])
             continue
         local = b.local_param_slice()
         if s.master is None and not contiguous_param_buffer:

@@ -60,6 +60,7 @@ class Pattern:
     clip: bool
     ours: str  # "unscale_grads" (pattern 1), "step" (2), "stock_unscale" (3), "plain"
     init_params: bool = False  # layout built before the first backward: the first iteration's grads are never in .grad
+    offload: bool = False  # DistributedFusedAdam(offload_optimizer=True) (tests/distributed/test_offload.py)
 
 
 PATTERNS = {
@@ -88,7 +89,7 @@ def run(rank: int, world_size: int, pattern: Pattern) -> dict:
             m[2].weight.register_hook(poison_hook(rank, world_size, step_of))
     ref = DDP(ref_model)
     ref_opt = torch.optim.AdamW(groups(ref_model))
-    opt = DistributedFusedAdam(groups(model), bucket_cap_mb=400 * 4 / 2**20)
+    opt = DistributedFusedAdam(groups(model), bucket_cap_mb=400 * 4 / 2**20, offload_optimizer=pattern.offload)
     if pattern.init_params:
         opt.init_params()
     ref_scaler, scaler = make_scaler(), make_scaler()

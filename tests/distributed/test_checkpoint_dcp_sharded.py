@@ -14,17 +14,6 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_checkpoint import (
-    LOAD_SETUP,
-    SAVE_SETUP,
-    TINY_BUCKET_MB,
-    assert_same_state,
-    groups,
-    make_model,
-    snapshot,
-    train,
-)
-from test_dcp_api import differences, save_through_api
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -40,6 +29,17 @@ from distopt import DistributedFusedAdam, FusedAdam
 from distopt.distributed import boxes, checkpoint, dcp_sharded
 
 from harness import run_ranks
+from test_checkpoint import (
+    LOAD_SETUP,
+    SAVE_SETUP,
+    TINY_BUCKET_MB,
+    assert_same_state,
+    groups,
+    make_model,
+    snapshot,
+    train,
+)
+from test_dcp_api import differences, save_through_api
 
 # ------------------------------------------------------------------ a load that fails or stops halfway
 

@@ -15,6 +15,11 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
+from distopt import DistributedFusedAdam
+from distopt.distributed import checkpoint
+
+from harness import run_ranks
 from test_checkpoint import (
     LOAD_SETUP,
     SAVE_SETUP,
@@ -30,11 +35,6 @@ from test_checkpoint import (
     snapshot,
     train,
 )
-
-from distopt import DistributedFusedAdam
-from distopt.distributed import checkpoint
-
-from harness import run_ranks
 
 # ------------------------------------------------------------------ mismatched checkpoints
 

@@ -13,7 +13,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import TINY_BUCKET_MB, assert_same_bytes, global_batch, groups, make_model, snapshot, train
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -22,6 +21,7 @@ from distopt import DistributedFusedAdam
 
 import tolerances
 from harness import run_ranks
+from test_checkpoint import TINY_BUCKET_MB, assert_same_bytes, global_batch, groups, make_model, snapshot, train
 
 # ------------------------------------------------------------------ torch.optim.AdamW's keywords
 

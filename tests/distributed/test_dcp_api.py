@@ -18,6 +18,20 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from distopt import DistributedFusedAdam, FusedAdam
+from distopt.distributed import checkpoint, dcp_sharded
+
+import tolerances
+from harness import run_ranks
 from test_checkpoint import (
     LOAD_SETUP,
     REMAINDERS,
@@ -33,20 +47,6 @@ from test_checkpoint import (
     train,
     uninterrupted,
 )
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
-
-from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed import checkpoint, dcp_sharded
-
-import tolerances
-from harness import run_ranks
 
 # ------------------------------------------------------------------ saving changes nothing
 

@@ -36,6 +36,8 @@ class Config:
     master: int = 0  # per shard element: fp32 master params
     remainders: int = 0  # per shard element: int16 low halves of bf16 params
     buffers: int = 0  # per bucket element: persistent grad buffer + param buffer
+    staging: int = 0  # per shard element, offload: host copies of 16-bit reduced grads and param slices
+    offload: bool = False  # the state (master, moments, grad shard) and staging are host memory
 
 
 CONTIGUOUS = dict(contiguous_grad_buffer=True, contiguous_param_buffer=True)
@@ -50,6 +52,12 @@ CONFIGS = {
     # grads reduced in fp32, params gathered in bf16
     "bf16-contiguous-buffers-fp32-grads": Config(torch.bfloat16, dict(grad_sync_dtype=torch.float32, **CONTIGUOUS),
                                                  master=FP32, buffers=FP32 + BF16),
+    # offload: fp32 masters always (on the host); an fp32 shard lands in the grad shard itself
+    "fp32-offload": Config(torch.float32, dict(offload_optimizer=True), master=FP32, offload=True),
+    "bf16-offload": Config(torch.bfloat16, dict(offload_optimizer=True), master=FP32, staging=BF16 + BF16,
+                           offload=True),
+    "fp32-offload-contiguous-buffers": Config(torch.float32, dict(offload_optimizer=True, **CONTIGUOUS), master=FP32,
+                                              buffers=FP32 + FP32, offload=True),
 }
 
 
@@ -61,8 +69,12 @@ def expected_report(config: Config, shard_numel: int, bucket_numel: int) -> dict
         "remainders": config.remainders * shard_numel,
         "grad_shard": FP32 * shard_numel,  # fp32 reduced-gradient shard
         "buffers": config.buffers * bucket_numel,  # transient buckets are freed after the step
+        "staging": config.staging * shard_numel,
     }
-    expected["total"] = sum(expected.values())
+    state = sum(expected[k] for k in ("master", "moments", "remainders", "grad_shard"))
+    expected["device"] = expected["buffers"] + (0 if config.offload else state)
+    expected["host"] = expected["staging"] + (state if config.offload else 0)
+    expected["total"] = expected["device"] + expected["host"]
     return expected
 
 
