@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _step_plan, ops
-from ._state_dicts import check_saved_groups, load_with_hooks, restore_hyperparameters
+from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
@@ -147,6 +147,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _uses_master(self, p: Tensor) -> bool:
         return self.master_weights and p.dtype != torch.float32
+
+    def _fp32_like(self, p: Tensor) -> Tensor:
+        """Uninitialised fp32 state with `p`'s shape and strides."""
+        return torch.empty_like(p, dtype=torch.float32)
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -426,50 +430,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"FusedAdam.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        saved_groups = state_dict.get("param_groups")
-        saved_state = state_dict.get("state")
-        if not isinstance(saved_state, dict):
-            raise ValueError("FusedAdam.load_state_dict: expected a dict with 'state' and 'param_groups'")
-        check_saved_groups(self.param_groups, saved_groups)
-        id_map: dict[Any, Tensor] = {}
-        for group, saved in zip(self.param_groups, saved_groups):
-            id_map.update(zip(saved["params"], group["params"]))
-
-        new_state: dict[Tensor, dict[str, Any]] = {}
-        for key, saved in saved_state.items():
-            if key not in id_map:
-                raise ValueError(f"loaded state refers to param {key!r}, which no param group holds")
-            p = id_map[key]
-            new_state[p] = self._convert_state(p, saved)
-
-        self.state = defaultdict(dict, new_state)
+        saved = saved_state_by_param(self.param_groups, state_dict, "FusedAdam.load_state_dict")
+        step_device = self._device if self.capturable else torch.device("cpu")
+        self.state = defaultdict(dict, {p: convert_param_state(p, s, master=self._uses_master(p), new=self._fp32_like,
+                                                               step_device=step_device) for p, s in saved})
         self._plan_epoch += 1
         if self.capturable:  # a float set after construction becomes the device tensor first
             for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)
-        restore_hyperparameters(self.param_groups, saved_groups)
-
-    def _convert_state(self, p: Tensor, saved: dict[str, Any]) -> dict[str, Any]:
-        """One param's saved state in this optimizer's layout (fp32, param's device and strides)."""
-        for name in ("step", "exp_avg", "exp_avg_sq"):
-            if name not in saved:
-                raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} lacks {name!r}")
-        out: dict[str, Any] = {}
-        for name in ("exp_avg", "exp_avg_sq", "param"):
-            value = saved.get(name)
-            if value is None:
-                continue
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
-            out[name] = torch.empty_like(p, dtype=torch.float32).copy_(value)
-        if self._uses_master(p) and "param" not in out:
-            out["param"] = p.detach().float()
-        if not self._uses_master(p):
-            out.pop("param", None)
-        step = saved["step"]
-        step_value = float(step.item() if isinstance(step, Tensor) else step)
-        step_device = p.device if self.capturable else torch.device("cpu")
-        out["step"] = torch.tensor(step_value, dtype=torch.float32, device=step_device)
-        return out
+        restore_hyperparameters(self.param_groups, state_dict["param_groups"])
