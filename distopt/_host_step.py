@@ -28,18 +28,12 @@ from .offload import HOST, HostTransfers, Landing
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "param")
 
 
-def _fits(buffer: Tensor | None, like: Tensor, dtype: torch.dtype) -> bool:
-    return (
-        buffer is not None and buffer.dtype == dtype and buffer.shape == like.shape and buffer.stride() == like.stride()
-    )
-
-
 class HostStep:
     """The host memory, staging and copies of one offloading FusedAdam whose params are on `device`."""
 
     def __init__(self, device: torch.device, state: dict[Tensor, dict[str, Any]]) -> None:
         self.transfers = HostTransfers(device)
-        self._staging: dict[Tensor, tuple[Tensor, Tensor | None]] = {}  # param -> (grad, 16-bit param out)
+        self._staging: dict[Tensor, tuple] = {}  # param -> (its dtypes and layout, grad, 16-bit param out)
         self._copy_back = Landing(None)  # the last step's host -> device copies, which read the staging
         self.adopt(state)
 
@@ -65,13 +59,13 @@ class HostStep:
                     entry[name] = self.transfers.empty_like(t).copy_(t)
 
     def _staging_for(self, p: Tensor, grad_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        grad, out = self._staging.get(p, (None, None))
-        if not _fits(grad, p, grad_dtype):
-            grad = self.transfers.empty_like(p, grad_dtype)
-        if p.dtype != torch.float32 and not _fits(out, p, p.dtype):
-            out = self.transfers.empty_like(p)
-        self._staging[p] = (grad, out if p.dtype != torch.float32 else None)
-        return self._staging[p]
+        """(grad staging, 16-bit param staging or None) for `p`: last step's if they still fit."""
+        key = (grad_dtype, p.dtype, p.shape, p.stride())
+        staged = self._staging.get(p)
+        if staged is None or staged[0] != key:
+            out = self.transfers.empty_like(p) if p.dtype != torch.float32 else None
+            staged = self._staging[p] = (key, self.transfers.empty_like(p, grad_dtype), out)
+        return staged[1], staged[2]
 
     def _prune(self, groups: list[dict[str, Any]]) -> None:
         """Drops the staging of params no group holds any more."""
