@@ -1,6 +1,7 @@
 """What FusedAdam and DistributedFusedAdam share when loading a state dict: checking the saved
-param groups against the optimizer's, restoring their hyperparameters, and the per-tensor CRC-32
-checksums that catch a corrupted state dict before it is loaded."""
+param groups against the optimizer's, restoring their hyperparameters, the per-tensor CRC-32
+checksums that catch a corrupted state dict before it is loaded, and torch's per-param state
+converted into FusedAdam's layout."""
 
 from __future__ import annotations
 
@@ -70,6 +71,55 @@ def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dic
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
+
+
+# ---------------------------------------------------------------------- per-param state (FusedAdam)
+
+
+def saved_state_by_param(groups: list[dict[str, Any]], state_dict: Any, where: str) -> list[tuple[Tensor, Any]]:
+    """(param, its saved state) for every entry of a torch-format state dict (``state`` keyed by the
+    saved groups' param ids), after checking the saved groups against `groups`."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{where}: expected a dict, got {type(state_dict).__name__}")
+    saved_groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_state, dict):
+        raise ValueError(f"{where}: expected a dict with 'state' and 'param_groups'")
+    check_saved_groups(groups, saved_groups)
+    id_map: dict[Any, Tensor] = {}
+    for group, saved in zip(groups, saved_groups):
+        id_map.update(zip(saved["params"], group["params"]))
+    missing = [key for key in saved_state if key not in id_map]
+    if missing:
+        raise ValueError(f"loaded state refers to param {missing[0]!r}, which no param group holds")
+    return [(id_map[key], saved) for key, saved in saved_state.items()]
+
+
+def convert_param_state(p: Tensor, saved: Any, *, master: bool, new: Callable[[Tensor], Tensor],
+                        step_device: torch.device) -> dict[str, Any]:
+    """One param's saved state as FusedAdam holds it: moments (and, with `master`, the fp32 master,
+    taken from `p` if not saved; without, a saved one is dropped) in new fp32 tensors from ``new(p)``
+    (`p`'s shape and strides, where the state lives), whatever dtype they were saved in; ``step`` a
+    float32 scalar on `step_device`."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} is not a dict")
+    for name in ("step", "exp_avg", "exp_avg_sq"):
+        if name not in saved:
+            raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} lacks {name!r}")
+    out: dict[str, Any] = {}
+    for name in ("exp_avg", "exp_avg_sq", "param") if master else ("exp_avg", "exp_avg_sq"):
+        value = saved.get(name)
+        if value is None:
+            continue
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
+        out[name] = new(p).copy_(value)
+    if master and "param" not in out:
+        out["param"] = new(p).copy_(p.detach())
+    step = saved["step"]
+    step_value = float(step.item() if isinstance(step, Tensor) else step)
+    out["step"] = torch.tensor(step_value, dtype=torch.float32, device=step_device)
+    return out
 
 
 # ---------------------------------------------------------------------- checksums

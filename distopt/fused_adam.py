@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from . import _step_plan, ops
-from ._state_dicts import check_saved_groups, load_with_hooks, restore_hyperparameters
+from ._host_step import HostStep
+from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
@@ -25,8 +26,9 @@ from .grad_scaling import GradScaling
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
-_PICKLED = ("master_weights", "capturable", "_device", "_inv_scale", "_clip_coef", "_found_inf", "_unscaled", "_clips")
-_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan")
+_PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_inv_scale", "_clip_coef", "_found_inf",
+            "_unscaled", "_clips")
+_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host")
 
 
 class FusedAdam(GradScaling, torch.optim.Optimizer):
@@ -54,6 +56,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         LR schedulers keep working: they update the lr tensor in place, and a graph replays with it.
         Set for the whole optimizer: ``group["capturable"]`` only mirrors it (torch.compile sets it
         to True itself for CUDA params, which changes nothing here).
+      offload_optimizer: keep every param's fp32 master (``state["param"]``, fp32 params included) and
+        both moments in host memory (pinned for CUDA params) and run the update there: each step
+        copies the grads to the host, runs the fused CPU kernel (the same math, hence the same bits
+        as ``master_weights=True`` on the device) and copies the new params back (distopt/_host_step.py).
+        Not with ``capturable`` (ValueError). Under torch.compile the step runs eagerly (a graph break
+        at ``step``; ``fullgraph=True`` raises).
 
     The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state
     step does no Python work per param, only whole-list checks that the gradients are as planned;
@@ -94,7 +102,11 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         decoupled_weight_decay: bool | None = None,
         adam_w_mode: bool | None = None,
         master_weights: bool = False,
+        offload_optimizer: bool = False,
     ) -> None:
+        if offload_optimizer and capturable:
+            raise ValueError("FusedAdam: offload_optimizer=True cannot be capturable (a CUDA graph cannot "
+                             "contain the update on the host)")
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         mode = weight_decay_mode(adam_w_mode, decoupled_weight_decay, "FusedAdam: ")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
@@ -103,6 +115,8 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         check_adamw_options(defaults, "FusedAdam: ")
         self.master_weights = master_weights
         self.capturable = capturable
+        self.offload_optimizer = bool(offload_optimizer)
+        self._host: HostStep | None = None  # built at the first use (distopt/_host_step.py)
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
@@ -146,7 +160,18 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
 
     def _uses_master(self, p: Tensor) -> bool:
-        return self.master_weights and p.dtype != torch.float32
+        return self.offload_optimizer or (self.master_weights and p.dtype != torch.float32)
+
+    def _host_step(self) -> HostStep:
+        if self._host is None:
+            self._host = HostStep(self._device, self.state)
+        return self._host
+
+    def _fp32_like(self, p: Tensor) -> Tensor:
+        """Uninitialised fp32 state with `p`'s shape and strides, where the state lives."""
+        if self.offload_optimizer:
+            return self._host_step().fp32_like(p)
+        return torch.empty_like(p, dtype=torch.float32)
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -158,6 +183,9 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                 )
             step_device = p.device if self.capturable else torch.device("cpu")
             state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+            if self.offload_optimizer:
+                state.update(self._host_step().new_state(p))
+                return state
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             if self._uses_master(p):
@@ -182,15 +210,14 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every param that has a gradient. ``closure`` re-evaluates the loss."""
+        if self.offload_optimizer:
+            return self._offloaded_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
 
-        # Everything is checked before anything (state included) is touched.
-        for index, group in enumerate(self.param_groups):
-            check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            check_adamw_options(group, f"FusedAdam param_groups[{index}]: ")
+        self._check_groups()  # everything is checked before anything (state included) is touched
         compiling = torch.compiler.is_compiling()
         planned = None if compiling else self._planned_calls()
         work = self._work() if planned is None else None
@@ -216,6 +243,26 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                 if params:
                     self._step_group(index, group, params, grads, grad_scale, found_inf)
             self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
+        self._reset_grad_scaling()
+        return loss
+
+    def _check_groups(self) -> None:
+        for index, group in enumerate(self.param_groups):
+            check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_adamw_options(group, f"FusedAdam param_groups[{index}]: ")
+
+    @torch._disable_dynamo  # the update runs on the host: under torch.compile, eagerly (a graph break)
+    def _offloaded_step(self, closure):
+        """step() with offload_optimizer: the same checks, skip and scalars, the update on the host."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_groups()
+        work = self._work()
+        grad_scale, found_inf = self._amp_scalars()
+        if found_inf is None or found_inf.item() == 0:  # an inf/nan step changes nothing
+            self._host_step().step(work, self._init_state, self._hyper, grad_scale, found_inf)
         self._reset_grad_scaling()
         return loss
 
@@ -426,50 +473,12 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"FusedAdam.load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        saved_groups = state_dict.get("param_groups")
-        saved_state = state_dict.get("state")
-        if not isinstance(saved_state, dict):
-            raise ValueError("FusedAdam.load_state_dict: expected a dict with 'state' and 'param_groups'")
-        check_saved_groups(self.param_groups, saved_groups)
-        id_map: dict[Any, Tensor] = {}
-        for group, saved in zip(self.param_groups, saved_groups):
-            id_map.update(zip(saved["params"], group["params"]))
-
-        new_state: dict[Tensor, dict[str, Any]] = {}
-        for key, saved in saved_state.items():
-            if key not in id_map:
-                raise ValueError(f"loaded state refers to param {key!r}, which no param group holds")
-            p = id_map[key]
-            new_state[p] = self._convert_state(p, saved)
-
-        self.state = defaultdict(dict, new_state)
+        saved = saved_state_by_param(self.param_groups, state_dict, "FusedAdam.load_state_dict")
+        step_device = self._device if self.capturable else torch.device("cpu")
+        self.state = defaultdict(dict, {p: convert_param_state(p, s, master=self._uses_master(p), new=self._fp32_like,
+                                                               step_device=step_device) for p, s in saved})
         self._plan_epoch += 1
         if self.capturable:  # a float set after construction becomes the device tensor first
             for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)
-        restore_hyperparameters(self.param_groups, saved_groups)
-
-    def _convert_state(self, p: Tensor, saved: dict[str, Any]) -> dict[str, Any]:
-        """One param's saved state in this optimizer's layout (fp32, param's device and strides)."""
-        for name in ("step", "exp_avg", "exp_avg_sq"):
-            if name not in saved:
-                raise ValueError(f"loaded state for a param of shape {tuple(p.shape)} lacks {name!r}")
-        out: dict[str, Any] = {}
-        for name in ("exp_avg", "exp_avg_sq", "param"):
-            value = saved.get(name)
-            if value is None:
-                continue
-            if tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
-            out[name] = torch.empty_like(p, dtype=torch.float32).copy_(value)
-        if self._uses_master(p) and "param" not in out:
-            out["param"] = p.detach().float()
-        if not self._uses_master(p):
-            out.pop("param", None)
-        step = saved["step"]
-        step_value = float(step.item() if isinstance(step, Tensor) else step)
-        step_device = p.device if self.capturable else torch.device("cpu")
-        out["step"] = torch.tensor(step_value, dtype=torch.float32, device=step_device)
-        return out
+        restore_hyperparameters(self.param_groups, state_dict["param_groups"])
