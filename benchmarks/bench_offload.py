@@ -145,13 +145,13 @@ class Row:
 
 
 def make_model(size: Size, dtype: torch.dtype, device: torch.device) -> nn.Sequential:
-    """The shared init (seeded, fp32 on the CPU, then cast and moved): Linear + tanh layers."""
+    """The shared init (seeded, made on the device: the same values for both options): Linear + tanh."""
     layers = max(1, round(size.params / (size.width * size.width + size.width)))
     torch.manual_seed(0)
     blocks = []
     for _ in range(layers):
-        blocks += [nn.Linear(size.width, size.width), nn.Tanh()]
-    return nn.Sequential(*blocks).to(device=device, dtype=dtype)
+        blocks += [nn.Linear(size.width, size.width, device=device), nn.Tanh()]
+    return nn.Sequential(*blocks).to(dtype=dtype)
 
 
 def make_batch(size: Size, dtype: torch.dtype, device: torch.device, rank: int, index: int) -> Tensor:
@@ -190,8 +190,9 @@ def formula(case: Case, offload: bool) -> tuple[float, float]:
 
 
 def fused_bytes(opt: FusedAdam) -> tuple[int, int]:
-    """(device, host) bytes of FusedAdam's per-param state tensors and offload staging, by where they
-    are (the per-param step scalars, 4 B on the CPU per tensor, are left out)."""
+    """(device, host) bytes of FusedAdam's per-param state tensors and offload staging: host those of an
+    offloading optimizer that are on the CPU, device the rest (the step scalars, 4 B on the CPU per
+    tensor, are left out)."""
     tensors = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq", "param") if k in s]
     host_step = getattr(opt, "_host", None)  # the offload staging (distopt/_host_step.py)
     if host_step is not None:
@@ -206,9 +207,10 @@ def fused_bytes(opt: FusedAdam) -> tuple[int, int]:
 
 
 def host_allocated() -> int | None:
-    """Bytes held by torch's pinned host allocator (CUDA), or None where torch does not say."""
+    """Bytes of pinned host blocks handed out by torch's caching host allocator (CUDA; each rounded up to
+    a power of two), or None where torch does not say."""
     try:
-        return int(torch.cuda.host_memory_stats()["allocated_bytes.current"])
+        return int(torch.cuda.host_memory_stats()["active_bytes.current"])
     except (AttributeError, KeyError, RuntimeError):
         return None
 
@@ -449,9 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         hyperparameters=dict(lr=LR, weight_decay=WEIGHT_DECAY),
         timing="perf_counter around device syncs; alternating A/B repetitions after warm-up; median, p10, p90; "
                "ratios: per-pair offload / resident",
-        memory=("CUDA: memory_allocated after one step (grads freed) minus before the optimizer; host: pinned "
-                "allocator growth. CPU: DistributedFusedAdam.memory_report(), FusedAdam's state and staging "
-                "tensors by device"),
+        memory=("CUDA: memory_allocated after one step (grads freed) minus before the optimizer; host: growth "
+                "of the pinned allocator's active bytes (blocks rounded up to powers of two). CPU: "
+                "DistributedFusedAdam.memory_report(), FusedAdam's state and staging tensors"),
         agreement=f"CPU: bit-exact; CUDA: rtol {CUDA_RTOL:g}, atol {CUDA_ATOL:g}; >= {MIN_CHANGED:.0%} of the "
                   "elements moved from their init",
         failures=failures,
