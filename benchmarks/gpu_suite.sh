@@ -6,6 +6,9 @@
 #   bench    benchmarks/bench_kernels.py --device cuda -> OUT_DIR/results.json, results.png
 #   step     benchmarks/bench_step.py --device cuda --world-size 1 (whole optimizer step and iteration:
 #            DistributedFusedAdam vs FusedAdam vs DDP + AdamW) -> OUT_DIR/results_step.json, .png
+#   offload  benchmarks/bench_offload.py --device cuda --params 100M (device bytes per param, step and
+#            iteration time, with and without offload_optimizer) -> its table and results_offload.json
+#            in OUT_DIR/suite.log, between "=== results_offload.json begin/end" lines (no files left)
 #   memcheck compute-sanitizer --tool memcheck on every op and dtype path at small sizes
 #   racecheck compute-sanitizer --tool racecheck on the kernels that use shared memory: l2norm's
 #            reduction and the capturable Adam's per-block coefficients
@@ -80,6 +83,21 @@ bench() { in_time "$PYTHON" benchmarks/bench_kernels.py --device cuda --out "$OU
 
 # ~30 s expected (a 98M-param GPT: correctness check in fp32 and bf16, then 4 optimizers timed).
 bench_step() { in_time "$PYTHON" benchmarks/bench_step.py --device cuda --world-size 1 --out "$OUT"; }
+
+# ~60 s expected (4 pairs of a 100M-param Linear stack; the offloaded steps run the host kernel over
+# 1.6 GB of state). Its JSON goes into suite.log (the files are all taken); its plot is dropped.
+bench_offload() {
+  local tmp rc=0
+  tmp=$(mktemp -d)
+  in_time "$PYTHON" benchmarks/bench_offload.py --device cuda --params 100000000 --out "$tmp" || rc=$?
+  if [[ -f $tmp/results_offload.json ]]; then
+    echo "=== results_offload.json begin"
+    cat "$tmp/results_offload.json"
+    echo "=== results_offload.json end"
+  fi
+  rm -rf "$tmp"
+  return "$rc"
+}
 
 # Every op and dtype path at small sizes: odd lengths, one tensor spanning several chunks, more
 # tensors than one launch's metadata holds, and views at an odd element offset so that both the
@@ -184,6 +202,7 @@ main() {
   run_stage pytest 150 pytest_cuda
   run_stage bench 150 bench
   run_stage step 120 bench_step
+  run_stage offload 100 bench_offload
   run_stage memcheck 90 memcheck
   run_stage racecheck 60 racecheck
   echo

@@ -1,4 +1,5 @@
-"""Smoke tests of benchmarks/bench_kernels.py and bench_host.py on CPU: they run, check their results and write them.
+"""Smoke tests of benchmarks/bench_kernels.py, bench_host.py and bench_offload.py on CPU: they run, check their
+results and write them.
 
 No speed assertions: speed targets belong to the benchmarks, not to the tests.
 """
@@ -11,6 +12,8 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
 
@@ -100,3 +103,58 @@ def test_bench_host_quick(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "results_host.png").stat().st_size > 0
+
+
+BENCH_OFFLOAD = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_offload.py"
+OFFLOAD_CASES = {"fused_fp32", "fused_bf16", "dfa_ws1_fp32", "dfa_ws1_bf16", "dfa_ws2_fp32"}
+
+
+def test_bench_offload_quick(tmp_path: Path) -> None:
+    """bench_offload.py --quick runs every pair (one on forked gloo ranks); on CPU the measured device
+    bytes per param equal the formula's (none with offload), and each pair's params agree bit for bit."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_OFFLOAD), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"bench_offload.py failed:\n{proc.stdout}\n{proc.stderr}"
+
+    data = json.loads((tmp_path / "results_offload.json").read_text())
+    meta, rows = data["meta"], data["rows"]
+    assert meta["device"] == "cpu" and meta["failures"] == [] and meta["torch"]
+    assert {r["case"] for r in rows} == OFFLOAD_CASES
+    for row in rows:
+        res, off = row["resident"], row["offload"]
+        for v in (res, off):
+            assert v["device_bpp_measured"] == v["device_bpp_formula"], (row["case"], v)
+            assert v["host_bpp_measured"] == v["host_bpp_formula"], (row["case"], v)
+            for what in ("step", "iter"):
+                assert 0 < v[f"{what}_p10_ms"] <= v[f"{what}_ms"] <= v[f"{what}_p90_ms"], (what, v)
+        assert off["device_bpp_measured"] == 0 and res["device_bpp_measured"] > 0, row
+        assert res["host_bpp_measured"] == 0 and off["host_bpp_measured"] >= res["device_bpp_measured"], row
+        assert row["bit_exact"] and row["agree"] and row["max_abs_diff"] == 0, row
+        assert row["changed_fraction"] > 0.5, row
+        for what in ("step", "iter"):
+            assert 0 < row[f"{what}_ratio_p10"] <= row[f"{what}_ratio"] <= row[f"{what}_ratio_p90"], row
+    by_case = {r["case"]: r for r in rows}
+    assert by_case["dfa_ws1_fp32"]["resident"]["device_bpp_formula"] == 16  # (4 + 8 + 4) / world size
+    assert by_case["dfa_ws2_fp32"]["resident"]["device_bpp_formula"] == 8
+    assert by_case["fused_bf16"]["resident"]["memory_report"] is None
+    assert by_case["dfa_ws1_bf16"]["offload"]["memory_report"]["device"] == 0
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "results_offload.png").stat().st_size > 0
+
+
+def test_bench_offload_compare_catches_one_ulp() -> None:
+    """The pair check itself: bit-exact passes, one element one ulp off fails on CPU (negative control)."""
+    sys.path.insert(0, str(BENCH_OFFLOAD.parent))
+    import bench_offload
+
+    a = [torch.randn(37), torch.randn(5, 3)]
+    b = [t.clone() for t in a]
+    assert bench_offload.compare(a, b) == (0.0, True, True)
+    b[1][4, 2] = torch.nextafter(b[1][4, 2], torch.tensor(float("inf")))
+    diff, exact, agree = bench_offload.compare(a, b)
+    assert 0 < diff < 1e-6 and not exact and not agree
