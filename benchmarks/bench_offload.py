@@ -191,20 +191,10 @@ def formula(case: Case, offload: bool) -> tuple[float, float]:
 
 
 def fused_bytes(opt: FusedAdam) -> tuple[int, int]:
-    """(device, host) bytes of FusedAdam's per-param state tensors and offload staging: host those of an
-    offloading optimizer that are on the CPU, device the rest (the step scalars, 4 B on the CPU per
-    tensor, are left out)."""
-    tensors = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq", "param") if k in s]
-    host_step = getattr(opt, "_host", None)  # the offload staging (distopt/_host_step.py)
-    if host_step is not None:
-        tensors += [t for _, grad, out in host_step._staging.values() for t in (grad, out) if t is not None]
-    device, host = 0, 0
-    for t in tensors:
-        if opt.offload_optimizer and t.device.type == "cpu":
-            host += t.nbytes
-        else:
-            device += t.nbytes
-    return device, host
+    """(device, host) bytes of FusedAdam's per-param state and offload staging (its memory_report; the
+    step scalars, 4 B on the CPU per tensor, are left out)."""
+    report = opt.memory_report()
+    return report["device"], report["host"]
 
 
 def host_allocated() -> int | None:

@@ -67,6 +67,10 @@ class HostStep:
             staged = self._staging[p] = (key, self.transfers.empty_like(p, grad_dtype), out)
         return staged[1], staged[2]
 
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers allocated so far (grads, and 16-bit params' outputs)."""
+        return sum(t.nbytes for _, grad, out in self._staging.values() for t in (grad, out) if t is not None)
+
     def _prune(self, groups: list[dict[str, Any]]) -> None:
         """Drops the staging of params no group holds any more."""
         if len(self._staging) > sum(len(g["params"]) for g in groups):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _step_plan, ops
-from ._host_step import HostStep
+from ._host_step import STATE_TENSORS, HostStep
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._validation import (
     FLOAT_DTYPES,
@@ -245,6 +245,16 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the per-param state by category (``master``, ``moments``, ``staging``: offload's host
+        copies), with ``device`` and ``host`` totals (offload: all of it is host memory) and ``total``."""
+        sizes = {k: sum(s[k].nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
+        report = {"master": sizes["param"], "moments": sizes["exp_avg"] + sizes["exp_avg_sq"],
+                  "staging": self._host.staging_bytes() if self._host is not None else 0}
+        total = sum(report.values())
+        return {**report, "device": 0 if self.offload_optimizer else total,
+                "host": total if self.offload_optimizer else 0, "total": total}
 
     def _check_groups(self) -> None:
         for index, group in enumerate(self.param_groups):

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="start each bucket's reduce-scatter during backward")
     optim.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction, default=True,
                        help="defer each bucket's param all-gather to the next forward")
+    optim.add_argument("--offload", action="store_true",
+                       help="DistributedFusedAdam(offload_optimizer=True): fp32 state and update in host memory")
     report = parser.add_argument_group("report")
     report.add_argument("--log-every", type=int, default=20, help="print the train loss (mean since the last print)")
     report.add_argument("--val-every", type=int, default=40, help="validation loss every N steps (and at the end)")
@@ -206,7 +208,7 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> tuple[S
     model = fresh()
     opt = DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                bucket_cap_mb=args.bucket_cap_mb, overlap_grad_sync=args.overlap_grad_sync,
-                               overlap_param_sync=args.overlap_param_sync)
+                               overlap_param_sync=args.overlap_param_sync, offload_optimizer=args.offload)
     sides = [Side("distopt", model, model, opt)]
     for name in ("DDP", "control"):
         ddp = DDP(fresh(), bucket_cap_mb=args.bucket_cap_mb)
@@ -309,8 +311,8 @@ def step_stats(times: list[float], warmup: int, device: torch.device) -> dict[st
 def distopt_memory(opt: DistributedFusedAdam) -> dict[str, int]:
     report = opt.memory_report()
     parts = {"moments": report["moments"], "grad shard": report["grad_shard"], "master": report["master"],
-             "remainders": report["remainders"], "buffers": report["buffers"]}
-    return {**{k: v for k, v in parts.items() if v}, "total": report["total"]}
+             "remainders": report["remainders"], "buffers": report["buffers"], "staging": report["staging"]}
+    return {**{k: v for k, v in parts.items() if v}, "host": report["host"], "total": report["total"]}
 
 
 def adamw_memory(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
@@ -373,8 +375,11 @@ def footer(out: Printer, args: argparse.Namespace, world_size: int, timing: list
     out(f"{'tokens/s (median step)':34}" + "".join(f"{tokens / t['median']:>24,.0f}" for t in timing))
     out(f"{'optimizer memory per rank':34}" + "".join(f"{m['total'] * mib:>20.2f} MiB" for m in memory))
     for i, m in enumerate(memory):
-        parts = " + ".join(f"{k} {v * mib:.2f}" for k, v in m.items() if k != "total")
+        parts = " + ".join(f"{k} {v * mib:.2f}" for k, v in m.items() if k not in ("total", "host"))
         out(f"  {('distopt', 'DDP+AdamW')[i]}: {parts} MiB")
+        if m.get("host"):
+            out(f"  distopt (--offload): {m['host'] * mib:.2f} MiB of it in host memory, "
+                f"{(m['total'] - m['host']) * mib:.2f} MiB on the device")
     out("  (persistent between steps, the same on every rank)")
     out(f"time per step: forward, backward, clip and step, on the slowest of the {world_size} rank(s) at each step")
     out()

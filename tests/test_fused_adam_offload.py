@@ -415,3 +415,24 @@ def test_cuda_inf_step_changes_nothing(dtype):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params))
     for s, before in zip(opt.state.values(), state):
         assert all(torch.equal(v, before[k]) for k, v in s.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_report_counts_where_the_state_lives(dtype):
+    """Bytes per element, written out: resident moments (+ masters for 16-bit) on the device; with
+    offload masters, moments and staging (the grad, and a 16-bit output) in host memory."""
+    n = 1000 + 37
+    reports = []
+    for offload in (False, True):
+        p = torch.nn.Parameter(torch.randn(n).to(dtype))
+        opt = FusedAdam([p], master_weights=True, offload_optimizer=offload)
+        p.grad = torch.randn(n).to(dtype)
+        opt.step()
+        reports.append(opt.memory_report())
+    sixteen = dtype != torch.float32
+    resident, offloaded = reports
+    assert resident == {"master": 4 * n * sixteen, "moments": 8 * n, "staging": 0, "device": (8 + 4 * sixteen) * n,
+                        "host": 0, "total": (8 + 4 * sixteen) * n}
+    staging = (2 + 2) * n if sixteen else 4 * n
+    assert offloaded == {"master": 4 * n, "moments": 8 * n, "staging": staging, "device": 0,
+                         "host": 12 * n + staging, "total": 12 * n + staging}
