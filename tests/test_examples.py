@@ -43,6 +43,14 @@ def test_train_example_runs_and_passes():
     assert verdict[0].startswith("PASS: distopt's params agree with DDP+AdamW's: relative L2 difference"), out
 
 
+def test_train_example_with_offload_passes_and_reports_host_memory():
+    result = subprocess.run([sys.executable, TRAIN, *SMALL, "--offload"], capture_output=True, text=True, timeout=300,
+                            env=without_torchrun())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^PASS: ", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"distopt \(--offload\): [\d.]+ MiB of it in host memory, 0.00 MiB on the device", result.stdout)
+
+
 def test_train_example_fails_with_exit_status_1_when_out_of_tolerance():
     # A tolerance no real run can meet: the verdict says FAIL and the exit status is non-zero.
     result = subprocess.run([sys.executable, TRAIN, *SMALL, "--steps", "1", "--tolerance-factor", "1e-30"],
