@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
-from common import REPO_ROOT, plot_bars, run_metadata, summarize, table_header, table_row, write_json  # noqa: E402
+from common import REPO_ROOT, plot_bars, publish, run_metadata, summarize, table_row  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 RTOL, ATOL = 1e-4, 1e-6  # the pairs agree to fp32 rounding; a wrong update misses by orders more
@@ -337,22 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets=TARGETS,
         met={r.case: r.ratio <= r.target for r in rows},
     )
-    print(
-        f"{meta['device_name']}, torch {meta['torch']}, {args.threads} thread(s), {meta['date']}, "
-        f"{cfg.reps} alternating repetitions after {cfg.warmup} warm-up"
-    )
-    print(table_header(_COLUMNS))
-    for r in rows:
-        print(_format(r))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results_host.json", meta, rows)
+    intro = (f"{meta['device_name']}, torch {meta['torch']}, {args.threads} thread(s), {meta['date']}, "
+             f"{cfg.reps} alternating repetitions after {cfg.warmup} warm-up")
     stats = ", ".join(f"{r.case} {r.ratio:.2f}x" for r in rows)
     title = (
         f"host overhead (fp32, CPU, {args.threads} thread(s)): {stats}\n"
         f"{meta['device_name']}, torch {meta['torch']}, {meta['git_commit'] or 'no git'}"
     )
-    plot(args.out / "results_host.png", rows, title)
-    print(f"wrote {args.out}/results_host.json")
+    publish(args.out, "results_host", meta, rows, intro, _COLUMNS, _format, plot, title)
     return 0
 
 

@@ -57,7 +57,7 @@ from bench_host import alternate  # noqa: E402
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
-from common import REPO_ROOT, plot_bars, run_metadata, summarize, sync, table_header, table_row, write_json  # noqa: E402
+from common import REPO_ROOT, plot_bars, publish, run_metadata, summarize, sync, table_row  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -456,20 +456,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "elements moved from their init",
         failures=failures,
     )  # fmt: skip
-    print(f"{meta['device_name']}, torch {meta['torch']}, {meta['date']}, {size.reps} alternating repetitions "
-          f"after {size.warmup} warm-up; B/p: bytes per param, formula / measured")  # fmt: skip
-    print(table_header(_COLUMNS))
-    for r in rows:
-        print(_format(r))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results_offload.json", meta, rows)
+    intro = (f"{meta['device_name']}, torch {meta['torch']}, {meta['date']}, {size.reps} alternating repetitions "
+             f"after {size.warmup} warm-up; B/p: bytes per param, formula / measured")  # fmt: skip
     stats = ", ".join(f"{r.case} {r.step_ratio:.2f}x" for r in rows)
     title = (
         f"offload_optimizer=True vs resident, {size.width}-wide Linear stack, {meta['device_name']}\n"
         f"step time offload/resident: {stats}; torch {meta['torch']}, {meta['git_commit'] or 'no git'}"
     )
-    plot(args.out / "results_offload.png", rows, title)
-    print(f"wrote {args.out}/results_offload.json")
+    publish(args.out, "results_offload", meta, rows, intro, _COLUMNS, _format, plot, title)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1

@@ -248,6 +248,20 @@ def write_json(path: Path, meta: dict[str, Any], rows: Sequence[Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def publish(out: Path, name: str, meta: dict[str, Any], rows: Sequence[Any], intro: str,
+            columns: Sequence[tuple[str, int]], format_row: Callable[[Any], str],
+            plot: Callable[[Path, Sequence[Any], str], bool], title: str) -> None:
+    """Prints `intro` and the rows as a table, then writes OUT/NAME.json and OUT/NAME.png."""
+    print(intro)
+    print(table_header(columns))
+    for r in rows:
+        print(format_row(r))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{name}.json", meta, rows)
+    plot(out / f"{name}.png", rows, title)
+    print(f"wrote {out}/{name}.json")
+
+
 def table_header(columns: Sequence[tuple[str, int]]) -> str:
     """The column names of a text table of (name, width) columns, underlined."""
     names = table_row([name for name, _ in columns], columns)
