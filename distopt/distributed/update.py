@@ -17,10 +17,19 @@ KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remai
 
 def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
     """The fused update of every shard this rank holds: one kernel call per (param group, dtypes).
-    With offload the calls run on the host and each bucket's param slice is then copied back."""
-    if opt.offload_optimizer:
-        grad_scale = grad_scale.to(opt.state_device)
-    for (group_index, _), lists in kernel_lists(opt._buckets, opt._params, opt._group_of,
+    With offload the calls run on the host bucket by bucket, and each bucket's param slice is copied
+    back as soon as it is updated (the copy overlaps the next bucket's update)."""
+    if not opt.offload_optimizer:
+        _run(opt, opt._buckets, grad_scale, found_inf)
+        return
+    grad_scale = grad_scale.to(opt.state_device)
+    for b in opt._buckets:
+        _run(opt, [b], grad_scale, None)
+        b.send_params()
+
+
+def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    for (group_index, _), lists in kernel_lists(buckets, opt._params, opt._group_of,
                                                 opt.contiguous_param_buffer).items():
         group = opt.param_groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
@@ -29,8 +38,6 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
                            **hyper)
         else:
             ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
-    for b in opt._buckets if opt.offload_optimizer else ():
-        b.send_params()
 
 
 def check_param_sizes(params: list[Tensor], numels: list[int]) -> None:
