@@ -79,10 +79,14 @@ def _offload_vs_resident(rank: int, world_size: int, dtype: torch.dtype, opt_kwa
     return checks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+BF16_SYNC = dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype, sync", [(torch.float32, {}), (torch.bfloat16, {}), (torch.float32, BF16_SYNC)],
+                         ids=["fp32", "bf16", "fp32_model_bf16_sync"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_offload_bit_identical_to_resident_masters(dtype, world_size):
-    assert all(c > 0 for c in run_ranks(_offload_vs_resident, world_size, (dtype, {})))
+def test_offload_bit_identical_to_resident_masters(dtype, sync, world_size):
+    assert all(c > 0 for c in run_ranks(_offload_vs_resident, world_size, (dtype, sync)))
 
 
 def send_params(self) -> None:
