@@ -7,11 +7,11 @@ A bucket's life in one iteration:
           added into ``state.grad`` (fp32) and the buffer released (kept if contiguous).
   update: the optimizer runs the fused kernel over ``state`` and writes this rank's slice of
           ``param_buffer`` (param_sync_dtype).
+  params: the slice is all-gathered into ``param_buffer`` and copied into the model params (unless the
+          params are views of a contiguous buffer already).
 With offload (``transfers`` given), ``state`` lives in host memory: each reduced shard is copied to the
 host as its reduction lands (``_land_grad``, folded in by ``settle_grad``), the host kernel updates the
 state, and ``send_params`` copies the new param slice back to the device before the all-gather.
-  params: the slice is all-gathered into ``param_buffer`` and copied into the model params (unless the
-          params are views of a contiguous buffer already).
 """
 
 from __future__ import annotations
@@ -249,8 +249,10 @@ class BucketRuntime:
         landing, staging, add = self._grad_landing
         self._grad_landing = None
         landing.wait()
-        if staging is not None:
-            self.state.grad.add_(staging) if add else self.state.grad.copy_(staging)
+        if staging is not None and add:
+            self.state.grad.add_(staging)
+        elif staging is not None:
+            self.state.grad.copy_(staging)
 
     def update_outputs(self) -> Tensor | None:
         """Offload: the host buffer the update writes the param slice into (None where the slice is
