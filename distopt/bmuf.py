@@ -92,6 +92,11 @@ class BMUF(torch.optim.Optimizer):
             raise ValueError(f"BMUF: block_lr must be positive and finite, got {block_lr}")
         if not float(bucket_cap_mb) > 0.0:
             raise ValueError(f"BMUF: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if getattr(optimizer, "offload_optimizer", False):
+            # Its masters (the weights it updates, fp32 ones included) live in host memory, where a sync
+            # would neither read nor write them: the next local step would undo the block update.
+            raise ValueError("BMUF does not wrap an optimizer with offload_optimizer=True: its fp32 masters live "
+                             "in host memory, outside what BMUF synchronises")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("BMUF needs torch.distributed initialised (init_process_group) before it is built")
         params = self._params_of(optimizer)

@@ -418,6 +418,8 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     two_devices = [torch.zeros(3, requires_grad=True), torch.zeros(3, device="meta", requires_grad=True)]
     expect("devices", ValueError, lambda: BMUF(torch.optim.SGD(two_devices, lr=0.1)))
     expect("ranks disagree", ValueError, lambda: BMUF(sgd, sync_every=2 + rank))
+    offloaded = FusedAdam([torch.zeros(3, requires_grad=True)], offload_optimizer=True)
+    expect("offload", ValueError, lambda: BMUF(offloaded, sync_every=2))
 
     # torch's optimizer hooks fire on BMUF as on any optimizer
     calls = []
@@ -486,6 +488,7 @@ def test_misuse_gets_clear_errors():
     assert "parameter groups" in msgs["load inner"]
     assert "params changed after BMUF was built" in msgs["params changed"]
     assert "global model copies differ" in msgs["start apart"]
+    assert "offload_optimizer=True" in msgs["offload"]
 
 
 @pytest.mark.cuda
