@@ -166,7 +166,12 @@ def assert_clipped_every_step(ref: dict) -> None:
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
 
-def _strategy_vs_ddp(rank: int, world_size: int, ns: str, precision: str | None) -> tuple[dict, dict]:
+def dfa_offload(params):
+    return DistributedFusedAdam(params, lr=LR, weight_decay=WD, offload_optimizer=True)
+
+
+def _strategy_vs_ddp(rank: int, world_size: int, ns: str, precision: str | None,
+                     make_opt=dfa) -> tuple[dict, dict]:
     lightning_env(rank, world_size)
     ref = fit(ns, "ddp", adamw, precision=precision)
     no_sync, entered = DistributedFusedAdam.no_sync, []
@@ -176,7 +181,7 @@ def _strategy_vs_ddp(rank: int, world_size: int, ns: str, precision: str | None)
         return no_sync(self)
 
     DistributedFusedAdam.no_sync = counted  # in this forked rank only
-    run = fit(ns, DistributedFusedAdamStrategy(namespace=ns), dfa, precision=precision)
+    run = fit(ns, DistributedFusedAdamStrategy(namespace=ns), make_opt, precision=precision)
     run["no_sync"] = len(entered)
     return run, ref
 
@@ -191,6 +196,15 @@ def test_strategy_matches_ddp_adamw(ns: str, precision: str | None) -> None:
         assert_clipped_every_step(ref)
         assert list(ref["params"]) == list(range(1, SAMPLES // 2 // BATCH // 2 + 1))
         assert run["no_sync"] == len(ref["params"])  # the accumulating backward of every step communicated nothing
+        assert_matches(run, ref, precision)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
+def test_strategy_with_offload_matches_ddp_adamw(precision: str | None) -> None:
+    """The same with the optimizer state offloaded to host memory (offload_optimizer=True)."""
+    for run, ref in run_ranks(_strategy_vs_ddp, 2, (LIGHTNING, precision, dfa_offload)):
+        assert_clipped_every_step(ref)
+        assert run["no_sync"] == len(ref["params"])
         assert_matches(run, ref, precision)
 
 

@@ -133,6 +133,7 @@ def train(out: str, trainer_cls: type = Trainer, *, resume: str | None = None, s
     return {"params": recorder.params, "logs": recorder.logs, "reduce_scatters": recorder.reduce_scatters,
             "wrapped": type(trainer.model_wrapped).__name__,
             "optimizer": type(inner).__name__,
+            "host_bytes": inner.memory_report()["host"] if inner is not None else 0,
             "saved": load_file(saved) if saved and trainer.args.should_save else None,
             "scale": scaler.get_scale() if scaler is not None else None}
 
@@ -211,6 +212,19 @@ def test_dfa_matches_ddp_adamw(reference: dict, tmp_path: Path) -> None:
     assert_runs_match(dfa, reference["ddp"], range(1, STEPS))
     assert_saved_final(dfa, reference["ddp"]["params"][STEPS])
     assert_runs_match(runs[1], dfa, range(1, STEPS), exact=True)  # the ranks hold the same model
+
+
+def _dfa_offload_run(rank: int, world_size: int, port: int, tmp: str) -> dict:
+    torchrun_env(rank, world_size, port)
+    return train(f"{tmp}/dfa", DistoptTrainer, distopt_kwargs={**OVERLAP, "offload_optimizer": True})
+
+
+def test_dfa_offload_matches_ddp_adamw(reference: dict, tmp_path: Path) -> None:
+    """The same with the optimizer state offloaded to host memory (offload_optimizer=True)."""
+    runs = run_ranks(_dfa_offload_run, 2, (free_port(), str(tmp_path)))
+    assert runs[0]["host_bytes"] > 0 and runs[0]["optimizer"] == "DistributedFusedAdam"
+    assert_runs_match(runs[0], reference["ddp"], range(1, STEPS + 1))
+    assert_runs_match(runs[1], runs[0], range(1, STEPS + 1), exact=True)
 
 
 def test_negative_control_unclipped_run_is_caught(reference: dict) -> None:
