@@ -100,7 +100,8 @@ class Scenario:
         bucket = f"{round(o['bucket_cap_mb'] * 2**20 / 4)}el" if "bucket_cap_mb" in o else "default"
         flags = [name for name, key in (("ogs", "overlap_grad_sync"), ("ops", "overlap_param_sync"),
                                         ("cgb", "contiguous_grad_buffer"), ("cpb", "contiguous_param_buffer"),
-                                        ("remainders", "store_param_remainders")) if o.get(key)]
+                                        ("remainders", "store_param_remainders"), ("offload", "offload_optimizer"))
+                 if o.get(key)]
         opt = f"bucket={bucket} pipe={o['pipeline_size']} " + ("+".join(flags) or "no-overlap")
         recipe = f"micro={''.join('q' if q else 's' for q in self.no_sync)}"
         if self.clip is not None:
@@ -155,6 +156,9 @@ def make_scenario(seed: int, steps: int = 3) -> Scenario:
         opt["bucket_cap_mb"] = rng.randint(*TINY_BUCKET_ELEMENTS) * 4 / 2**20
     if bf16 and rng.random() < 0.5:
         opt["store_param_remainders"] = True
+    # Drawn from a generator of its own, so that every earlier seed keeps its scenario otherwise.
+    if not opt.get("store_param_remainders") and random.Random(f"offload {seed}").random() < 0.3:
+        opt["offload_optimizer"] = True
 
     no_sync = rng.choice(["all_but_last", "all_but_last", "none", "random"])
     if no_sync == "all_but_last":

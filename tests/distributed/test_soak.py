@@ -257,6 +257,7 @@ def test_scenarios_cover_the_menu() -> None:
     for key in ("overlap_grad_sync", "overlap_param_sync", "contiguous_grad_buffer", "contiguous_param_buffer"):
         assert {bool(sc.opt[key]) for sc in scs} == {True, False}, key
     assert any("bucket_cap_mb" in sc.opt for sc in scs) and any(sc.bf16 for sc in scs)
+    assert {bool(sc.opt.get("offload_optimizer")) for sc in scs} == {True, False}
     assert any(sc.inject for sc in scs) and any(sc.clip for sc in scs) and any(sc.unused for sc in scs)
     assert any(any(sc.no_sync) for sc in scs)
 
