@@ -12,10 +12,13 @@ Note [no stale reads with overlap_param_sync]
 A forward must never read a param whose updated value has not been gathered yet. Before a module
 runs, the buckets holding the params it *needs* are gathered (with every bucket above them: forward
 order). What a module needs is learnt once, by watching the first forward after the optimizer is
-built: from each module's pre-hook to the next, a TorchFunctionMode records the params that torch
-functions receive, so a module needs its own params, those of parameter containers below it
-(``nn.ParameterList``/``nn.ParameterDict``, whose forward never runs) and whatever it (or code right
-after it) reads functionally, such as another module's weight in ``F.linear(x, other.weight)``. A
+built: while a module's forward runs (from its pre-hook to its post-hook, children excluded), a
+TorchFunctionMode records the params that torch functions receive, so a module needs its own params,
+those of parameter containers below it (``nn.ParameterList``/``nn.ParameterDict``, whose forward
+never runs) and whatever its own code reads functionally, such as another module's weight in
+``F.linear(x, other.weight)``. A read in a parent's code between two children is the parent's need,
+not the earlier child's: a later forward that skips that child (a layer used on some iterations
+only) still gathers it in time. A
 compiled module (``torch.compile(model)`` returns a wrapper; inside the traced code our hooks do
 nothing) needs everything beneath it; a whole compiled training step reads params the same way, so
 call ``opt.param_sync()`` before it.
@@ -27,8 +30,8 @@ learnt. If a gradient arrives for a param whose bucket was not gathered since th
 forward provably read a stale value (a dynamic model, a model compiled in place): that raises,
 naming the param and the remedy. A gather that lands after a read bumps the param's version counter,
 so autograd refuses a backward through a stale value it saved ("modified by an inplace operation").
-Only a read that saves nothing for backward (an addition) in a forward that differs from the watched
-one, whose gather lands later in the same forward, escapes all three.
+Only a read that saves nothing for backward (an addition), made by a module's code that did not run in
+the watched forward, whose gather lands later in the same forward, escapes all three.
 
 A state-dict pre-hook on every module holding our params finishes the pending gathers, so
 ``model.state_dict()`` right after ``step()`` holds the updated params.
@@ -106,7 +109,8 @@ class ParamSync:
         self._observe = overlap  # the next forward is watched
         self._recorder: _UseRecorder | None = None
         self._observed_root: nn.Module | None = None
-        self._current: set[int] | None = None  # the needs of the module that ran last (observed forward)
+        self._current: set[int] | None = None  # the needs of the module running now (observed forward)
+        self._running: list[set[int]] = []  # the needs of the modules whose forward runs, outermost first
         self._observed_ours = False  # the watched forward touched our params
         self._handles: list[Any] = []
         # Without overlap the hooks stay only until a module holding our params runs (the DDP check).
@@ -121,8 +125,8 @@ class ParamSync:
 
         def post_hook(module: nn.Module, args, output) -> None:
             sync = this()
-            if sync is not None and module is sync._observed_root and not torch.compiler.is_compiling():
-                sync._stop_observing()
+            if sync is not None and sync._recorder is not None and not torch.compiler.is_compiling():
+                sync._after_forward(module)
 
         self._handles.append(nn.modules.module.register_module_forward_pre_hook(pre_hook))
         self._handles.append(nn.modules.module.register_module_forward_hook(post_hook, always_call=True))
@@ -146,6 +150,7 @@ class ParamSync:
             self._recorder = _UseRecorder(self)
             self._recorder.__enter__()
         if self._recorder is not None:
+            self._running.append(needs)
             self._current = needs
             self._observed_ours = self._observed_ours or bool(needs)
         if not self.pending:
@@ -161,8 +166,17 @@ class ParamSync:
             self.seen.add(i)
             self._observed_ours = True
 
+    def _after_forward(self, module: nn.Module) -> None:
+        """The watched forward: a module returned, so what runs next is its parent's code."""
+        if module is self._observed_root:
+            self._stop_observing()
+        elif self._running:
+            self._running.pop()
+            self._current = self._running[-1] if self._running else None
+
     def _stop_observing(self) -> None:
         recorder, self._recorder, self._observed_root, self._current = self._recorder, None, None, None
+        self._running.clear()
         self._observe = not self._observed_ours  # a forward of another model: watch the next one
         recorder.__exit__(None, None, None)
 
