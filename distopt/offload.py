@@ -38,6 +38,13 @@ class Landing:
             self._event = None
 
 
+def _copy_now(srcs: list[Tensor], dsts: list[Tensor]) -> Landing:
+    """A CPU "device": both directions are one plain multi-tensor copy, landed on return."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    return Landing(None)
+
+
 class HostTransfers:
     """Pinned host allocation and ordered asynchronous copies for the params' `device`."""
 
@@ -62,9 +69,7 @@ class HostTransfers:
         """Starts copying device tensors `srcs` into host tensors `dsts` (same dtypes and shapes) after
         the work queued so far on the current stream; returns the copy to wait on."""
         if self._stream is None:
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-            return Landing(None)
+            return _copy_now(srcs, dsts)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for dst, src in zip(dsts, srcs):
@@ -79,9 +84,7 @@ class HostTransfers:
         """Copies host tensors `srcs` into device tensors `dsts` on the current stream (asynchronous
         from pinned memory); the result says when the host may rewrite `srcs`."""
         if self._stream is None:
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-            return Landing(None)
+            return _copy_now(srcs, dsts)
         for dst, src in zip(dsts, srcs):
             dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()

@@ -131,7 +131,8 @@ class BucketRuntime:
         """A zeroed grad buffer for a new accumulation window: params that send nothing, and the
         padding, reduce as zeros. A one-rank bucket whose fp32 grad shard holds no reduced grads yet
         accumulates straight into that shard (its reduction is the identity: no buffer, no copy)."""
-        self.settle_grad()  # offload: the last round's copy to the host may still read this buffer
+        if self._grad_landing is not None:  # offload: the last round's copy to the host may still read it
+            self.settle_grad()
         if self.grad_buffer is None and self.local and self.grad_dtype == torch.float32 and not self.state.grad_valid \
                 and self.transfers is None:
             # Not zeroed: a param's first grad is copied in, its padding is zero (nothing else
