@@ -7,9 +7,7 @@ No speed assertions: speed targets belong to the benchmarks, not to the tests.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_step.py"
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from harness import run_ranks  # noqa: E402
+from test_benchmarks import run_quick  # noqa: E402
 
 # Written out here rather than imported, so that dropping a contender from the benchmark fails this test.
 EXPECTED = {
@@ -30,12 +29,8 @@ EXPECTED = {
 
 
 def test_bench_step_cpu_quick(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--world-size", "2", "--quick", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"bench_step.py failed:\n{proc.stdout}\n{proc.stderr}"
-
-    data = json.loads((tmp_path / "results_step.json").read_text())
-    meta, rows = data["meta"], data["rows"]
+    meta, rows, _ = run_quick(BENCH, tmp_path, "results_step.json", "--device", "cpu", "--world-size", "2",
+                              "--quick", timeout=120)
     assert meta["device"] == "cpu" and meta["world_size"] == 2 and meta["failures"] == []
     agreement = meta["verification"]["agreement"]
     assert set(agreement) == {"float32", "bfloat16"}, agreement

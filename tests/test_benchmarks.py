@@ -32,17 +32,18 @@ EXPECTED = {
 LAYOUTS = {"flat", "list"}
 
 
-def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, f"bench_kernels.py failed:\n{proc.stdout}\n{proc.stderr}"
+def run_quick(script: Path, out: Path, results: str, *args: str, timeout: float) -> tuple[dict, list, str]:
+    """Runs a benchmark script with `args` (writing to `out`), which must succeed; returns its
+    results JSON's meta and rows, and what it printed."""
+    proc = subprocess.run([sys.executable, str(script), *args, "--out", str(out)], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    data = json.loads((out / results).read_text())
+    return data["meta"], data["rows"], proc.stdout
 
-    data = json.loads((tmp_path / "results.json").read_text())
-    meta, rows = data["meta"], data["rows"]
+
+def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
+    meta, rows, _ = run_quick(BENCH, tmp_path, "results.json", "--device", "cpu", "--quick", timeout=120)
     assert meta["device"] == "cpu" and meta["failures"] == []
     assert math.isfinite(meta["copy_bandwidth_gbps"]) and meta["copy_bandwidth_gbps"] > 0
 
@@ -79,17 +80,8 @@ HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2"}
 def test_bench_host_quick(tmp_path: Path) -> None:
     """bench_host.py --quick runs every case (the world-size-2 one on forked gloo ranks), checks that
     each pair of optimizers agrees, and writes its JSON (and plot). Its targets are reported, not tested."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH_HOST), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"bench_host.py failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "thread(s)" in proc.stdout and "torch" in proc.stdout
-
-    data = json.loads((tmp_path / "results_host.json").read_text())
-    meta, rows = data["meta"], data["rows"]
+    meta, rows, printed = run_quick(BENCH_HOST, tmp_path, "results_host.json", "--quick", timeout=300)
+    assert "thread(s)" in printed and "torch" in printed
     assert meta["threads"] == 1 and meta["torch"] and meta["device_name"]
     assert {r["case"] for r in rows} == HOST_CASES
     for row in rows:
@@ -112,16 +104,7 @@ OFFLOAD_CASES = {"fused_fp32", "fused_bf16", "dfa_ws1_fp32", "dfa_ws1_bf16", "df
 def test_bench_offload_quick(tmp_path: Path) -> None:
     """bench_offload.py --quick runs every pair (one on forked gloo ranks); on CPU the measured device
     bytes per param equal the formula's (none with offload), and each pair's params agree bit for bit."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCH_OFFLOAD), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"bench_offload.py failed:\n{proc.stdout}\n{proc.stderr}"
-
-    data = json.loads((tmp_path / "results_offload.json").read_text())
-    meta, rows = data["meta"], data["rows"]
+    meta, rows, _ = run_quick(BENCH_OFFLOAD, tmp_path, "results_offload.json", "--quick", timeout=300)
     assert meta["device"] == "cpu" and meta["failures"] == [] and meta["torch"]
     assert {r["case"] for r in rows} == OFFLOAD_CASES
     for row in rows:

@@ -30,6 +30,17 @@ def grad_for(p: torch.Tensor, step: int, i: int, dtype: torch.dtype | None = Non
     return torch.empty_like(p, dtype=dtype or p.dtype).copy_(torch.randn(p.shape, generator=g))  # p's layout
 
 
+def stepped(steps: int) -> tuple[list[nn.Parameter], FusedAdam]:
+    """make_params() after `steps` steps of FusedAdam(master_weights=True) with grad_for's gradients."""
+    params = make_params()
+    opt = FusedAdam(params, master_weights=True)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = grad_for(p, step, i)
+        opt.step()
+    return params, opt
+
+
 class Counter:
     """Counts planned kernel calls (FusedAdam._run_call) of one optimizer."""
 
@@ -129,12 +140,7 @@ def test_planned_steps_match_the_general_step_bitwise():
 
 
 def test_state_keeps_torchs_format():
-    params = make_params()
-    opt = FusedAdam(params, master_weights=True)
-    for step in range(3):
-        for i, p in enumerate(params):
-            p.grad = grad_for(p, step, i)
-        opt.step()
+    params, opt = stepped(3)
     for p in params:
         step = opt.state[p]["step"]
         assert step.shape == () and step.dtype == torch.float32 and step.device.type == "cpu" and float(step) == 3.0
@@ -178,12 +184,7 @@ def test_negative_control_the_general_step_works_per_param():
 
 
 def test_bad_grad_in_the_steady_state_is_refused_before_anything_changes():
-    params = make_params()
-    opt = FusedAdam(params, master_weights=True)
-    for step in range(3):
-        for i, p in enumerate(params):
-            p.grad = grad_for(p, step, i)
-        opt.step()
+    params, opt = stepped(3)
     before = [p.detach().clone() for p in params], {k: v.clone() for k, v in opt.state[params[0]].items()}
     params[1].grad = torch.randn(7, 5).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
