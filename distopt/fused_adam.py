@@ -22,7 +22,7 @@ from ._validation import (
     reconcile_weight_decay_switch,
     weight_decay_mode,
 )
-from .grad_scaling import GradScaling
+from .grad_scaling import GradScaling, count_step
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
@@ -294,7 +294,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                      param_outs=call.param_outs)
         if self.capturable:
             lr = self._capturable_lr(call.group)
-            torch._foreach_add_(call.steps, 1 if found_inf is None else 1 - found_inf)
+            count_step(call.steps, found_inf)
             ops.adam_step_(**lists, lr=lr, step=call.steps, found_inf=found_inf, **hyper)
             return
         lr = float(group["lr"])
@@ -405,7 +405,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             steps = [s["step"] for _, _, s in entries]
             if self.capturable:
                 lr = self._capturable_lr(index)
-                torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
+                count_step(steps, found_inf)
                 ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             else:
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
@@ -449,7 +449,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             lr = torch.full((), lr, dtype=torch.float32, device=self._device)
         for key, entries in self._buckets(params, grads, eager=False).items():
             steps = [s["step"] for _, _, s in entries]
-            torch._foreach_add_(steps, 1 if found_inf is None else 1 - found_inf)
+            count_step(steps, found_inf)
             ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
                            **hyper)
 

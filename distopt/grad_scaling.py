@@ -28,6 +28,16 @@ from torch.amp.grad_scaler import OptState
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
+def count_step(steps: list[Tensor], found_inf: Tensor | None) -> None:
+    """Adds one to each step counter, or nothing where ``found_inf`` (a device scalar) is set, on the
+    device: no host read, so a CUDA graph can capture it. ``alpha`` selects torch's Tensor overload; a
+    0-dim tensor alone matches the Scalar one first, which reads it on the host (``.item()``)."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1)
+    else:
+        torch._foreach_add_(steps, 1 - found_inf, alpha=1)
+
+
 class GradScaling:
     """Mixin: subclasses call ``_init_grad_scaling(device)`` and implement ``_norm_sq_and_flag``."""
 
