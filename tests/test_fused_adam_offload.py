@@ -395,9 +395,10 @@ def test_cuda_state_is_pinned_host_memory_and_bits_match_the_device(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_inf_step_changes_nothing(dtype):
-    """A CUDA GradScaler with an inf in one grad: no byte of the device params or host state changes."""
+    """A CUDA GradScaler with an inf in one grad: no byte of the device params or host state changes.
+    fp16, not bf16: the stock scaler's inf check has no bf16 CUDA kernel in torch 2.11."""
     model = cuda_model(dtype)
     opt = FusedAdam(two_groups(model), offload_optimizer=True)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)

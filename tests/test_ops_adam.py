@@ -213,7 +213,7 @@ def test_adam_channels_last(remainders):
     """channels_last lists (all sharing strides) match the reference and the same update on contiguous copies."""
     param_dtype = BF16 if remainders else FP32
     state = make_adam_state(CL_SHAPES, param_dtype, FP16, BF16, remainders=remainders, layout="channels_last")
-    contiguous = state.to("cpu", "contiguous")
+    contiguous = state.to(state.params[0].device, "contiguous")  # the same backend, another layout
     check_adam_against_reference(state, step=2, grad_scale=scalar(GRAD_SCALE))
     run_adam(contiguous, step=2, grad_scale=scalar(GRAD_SCALE))
     for t in state.all_tensors():

@@ -406,7 +406,8 @@ def test_block_update_on_cuda_matches_the_cpu(nccl_group):
     results = {}
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
-        params = [torch.randn(s, device=device).requires_grad_() for s in [(257, 3), (1000,), (5,)]]
+        # made on the CPU and moved: the CUDA generator would draw other numbers
+        params = [torch.randn(s).to(device).requires_grad_() for s in [(257, 3), (1000,), (5,)]]
         inner = FusedAdam(params, lr=0.01)
         bmuf = BMUF(inner, sync_every=2, block_momentum=0.7, block_lr=0.9)
         for step in range(6):

@@ -27,9 +27,11 @@ def test_offload_matches_ddp_on_cuda(nccl_group, name):
 
 def _train(opt: DistributedFusedAdam, model: nn.Module, steps: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
         for _ in range(2):  # two synchronising backwards: the second shard is folded into the first
-            model(torch.randn(16, 256, device="cuda", generator=gen)).float().square().mean().backward()
+            x = torch.randn(16, 256, device="cuda", generator=gen).to(dtype)
+            model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -62,7 +64,7 @@ def test_inf_step_changes_nothing(nccl_group):
     model = nn.Linear(64, 64).cuda()
     opt = DistributedFusedAdam(model.parameters(), offload_optimizer=True)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
-    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    scaler.scale(model(torch.randn(4, 64, device="cuda")).sum()).backward()  # a finite step: the state exists
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
