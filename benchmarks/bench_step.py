@@ -61,6 +61,7 @@ from step_contenders import (  # noqa: E402
     LR,
     REFERENCE,
     WEIGHT_DECAY,
+    NOISE_FLOOR,
     Contender,
     build,
     release,
@@ -77,6 +78,7 @@ TOLERANCE = {
     torch.bfloat16: dict(rtol=2**-7, atol=1e-4),
 }
 MAX_OUTLIER_FRACTION = 1e-5  # of all elements may be outside TOLERANCE (see agreement()) ...
+FLOOR_FACTOR = 2  # ... or twice as many as NOISE_FLOOR (torch's two kernels) has in the same run ...
 OUTLIER_ATOL = 1.25 * 2 * VERIFY_STEPS * LR  # ... by at most what two runs' Adam updates can differ
 
 
@@ -184,9 +186,13 @@ def agreement(params: Sequence[tuple[str, Tensor]], reference: Sequence[tuple[st
     """Elementwise against the reference: the largest |difference|, the elements outside ``tol``
     (outliers), those outside it by more than OUTLIER_ATOL (beyond_bound), the param with most outliers.
 
-    A pass has none beyond the bound and at most MAX_OUTLIER_FRACTION outliers: Adam moves an element by
-    about lr per step whatever its gradient, so where the gradient is tiny (next to rounding noise) two
-    correct runs can move it differently; a real bug (wrong lr or step count, missed sync) moves most."""
+    A pass has none beyond the bound and at most MAX_OUTLIER_FRACTION outliers, or FLOOR_FACTOR times
+    NOISE_FLOOR's: Adam moves an element by about lr per step whatever its gradient, so where the
+    gradient is tiny (next to rounding noise) two correct runs can move it differently, and with 16-bit
+    params a master that rounds the other way after the first step changes the next step's gradients
+    everywhere (the first H100 run, 2026-11-26, saw 0.23% of the 98M-param model's elements outside in
+    bf16, at most 70 in fp32, none beyond the bound); a real bug (wrong lr or step count, missed sync)
+    moves most. NOISE_FLOOR measures that drift between two correct torch kernels in the same run."""
     result = dict(max_abs_diff=0.0, outliers=0, beyond_bound=0, worst_param="")
     most = 0
     for (name, actual), (_, expected) in zip(params, reference):
@@ -203,17 +209,17 @@ def agreement(params: Sequence[tuple[str, Tensor]], reference: Sequence[tuple[st
 
 def verify(spec: Spec, rank: int, device: torch.device, init: TinyGPT, log: Callable) -> tuple[list[str], dict]:
     """Trains every contender VERIFY_STEPS steps in fp32 and in the run dtype and compares its params
-    with DDP + AdamW's. Returns (failures, {dtype: {contender: agreement()}})."""
+    with DDP + AdamW's, as does NOISE_FLOOR (which sets how many outliers are allowed). Returns
+    (failures, {dtype: {contender or NOISE_FLOOR: agreement() and the allowed outliers}})."""
     batches = make_batches(spec.model, rank, VERIFY_STEPS, device)
     dtypes = dict.fromkeys([torch.float32, DTYPES[spec.dtype]])  # fp32 first, then the run dtype if another
     numel = sum(p.numel() for p in init.parameters())
-    allowed = int(MAX_OUTLIER_FRACTION * numel)
     failures, report = [], {}
     for dtype in dtypes:
         tol = TOLERANCE[dtype]
         reference = None
         results = report.setdefault(str(dtype).removeprefix("torch."), {})
-        for c in CONTENDERS:
+        for c in (REFERENCE, NOISE_FLOOR, *CONTENDERS[1:]):
             trainer = build(c, init, dtype, device)
             for batch in batches:
                 trainer.iteration(batch)
@@ -225,7 +231,10 @@ def verify(spec: Spec, rank: int, device: torch.device, init: TinyGPT, log: Call
                 reference = params
                 continue
             a = results[c.name] = agreement(params, reference, tol)
-            if a["beyond_bound"] or a["outliers"] > allowed:
+            if c is NOISE_FLOOR:
+                allowed = max(int(MAX_OUTLIER_FRACTION * numel), FLOOR_FACTOR * a["outliers"])
+            a["allowed_outliers"] = allowed
+            if c is not NOISE_FLOOR and (a["beyond_bound"] or a["outliers"] > allowed):
                 failures.append(
                     f"{c.name} ({dtype}) differs from {REFERENCE.name} (tolerance {tol}): {a['outliers']} of "
                     f"{numel} elements outside the tolerance (at most {allowed} allowed), {a['beyond_bound']} "

@@ -30,6 +30,7 @@ class Contender:
     name: str  # the table's label
     optimizer: str  # AdamW | FusedAdam | DistributedFusedAdam
     overlap_param_sync: bool = False
+    other_kernel: bool = False  # AdamW: torch's other implementation (foreach where fused is the default)
 
 
 CONTENDERS = (
@@ -39,6 +40,8 @@ CONTENDERS = (
     Contender("DistributedFusedAdam overlap_param_sync", "DistributedFusedAdam", overlap_param_sync=True),
 )
 REFERENCE, BASELINE = CONTENDERS[0], CONTENDERS[1]  # the correctness reference; the step-ratio baseline
+# Not timed: how far two correct torch implementations drift apart, the correctness check's noise floor.
+NOISE_FLOOR = Contender("DDP + AdamW, torch's other kernel", "AdamW", other_kernel=True)
 
 
 class MasterAdamW:
@@ -46,7 +49,7 @@ class MasterAdamW:
     step casts the grads into a transient fp32 buffer, steps, and copies the masters into the params
     (_foreach_copy_ both ways)."""
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], other_kernel: bool = False) -> None:
         self.params = params
         self.mixed = params[0].dtype != torch.float32
         if self.mixed:
@@ -54,7 +57,11 @@ class MasterAdamW:
             self.master_flat = torch.cat([p.detach().float().reshape(-1) for p in params])
             self.masters = list(self.master_flat.split(self.numels))
             self.param_views = [p.detach().view(-1) for p in params]
-        self.opt, _, self.kind = torch_adamw(self.masters if self.mixed else params, LR, BETAS, EPS, WEIGHT_DECAY)
+        targets = self.masters if self.mixed else params
+        self.opt, fused, self.kind = torch_adamw(targets, LR, BETAS, EPS, WEIGHT_DECAY)
+        if other_kernel:  # foreach where the fused kernel is the default, else the per-param loop
+            self.opt = torch.optim.AdamW(targets, LR, BETAS, EPS, WEIGHT_DECAY, foreach=fused)
+            self.kind = f"AdamW(foreach={fused})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -122,7 +129,7 @@ def build(c: Contender, init: TinyGPT, dtype: torch.dtype, device: torch.device)
     # DDP's defaults but for broadcast_buffers: the model's one buffer is its constant causal mask.
     ddp_kw = dict(broadcast_buffers=False, device_ids=[device.index] if device.type == "cuda" else None)
     if c.optimizer == "AdamW":
-        opt = MasterAdamW(params)
+        opt = MasterAdamW(params, other_kernel=c.other_kernel)
         config = f"DDP + {opt.kind}" + (" over fp32 masters" if mixed else "")
         return Trainer(module, DistributedDataParallel(module, **ddp_kw), opt, config)
     if c.optimizer == "FusedAdam":

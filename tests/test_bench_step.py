@@ -35,7 +35,9 @@ def test_bench_step_cpu_quick(tmp_path: Path) -> None:
     agreement = meta["verification"]["agreement"]
     assert set(agreement) == {"float32", "bfloat16"}, agreement
     for per_dtype in agreement.values():
-        assert set(per_dtype) == set(EXPECTED) - {"DDP + AdamW"}, per_dtype  # all but the reference
+        # all but the reference, and the noise floor (torch's other AdamW kernel)
+        assert set(per_dtype) == set(EXPECTED) - {"DDP + AdamW"} | {"DDP + AdamW, torch's other kernel"}, per_dtype
+        assert all(a["outliers"] <= a["allowed_outliers"] for a in per_dtype.values()), per_dtype
 
     by_name = {r["name"]: r for r in rows}
     assert len(by_name) == len(rows) and {n: r["optimizer"] for n, r in by_name.items()} == EXPECTED
