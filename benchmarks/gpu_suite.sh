@@ -199,7 +199,7 @@ main() {
   echo "distopt GPU suite: $(date -u +%Y-%m-%dT%H:%M:%SZ), output in $OUT"
   run_stage device 60 device_info
   run_stage build 240 build
-  run_stage pytest 150 pytest_cuda
+  run_stage pytest 210 pytest_cuda
   run_stage bench 150 bench
   run_stage step 120 bench_step
   run_stage offload 100 bench_offload
