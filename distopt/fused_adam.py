@@ -12,6 +12,7 @@ from torch import Tensor
 from . import _step_plan, ops
 from ._host_step import STATE_TENSORS, HostStep
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
+from ._traced_step import TracedStep
 from ._validation import (
     FLOAT_DTYPES,
     check_adam_hyperparameters,
@@ -31,7 +32,7 @@ _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_in
 _TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host")
 
 
-class FusedAdam(GradScaling, torch.optim.Optimizer):
+class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
     model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
 
@@ -224,10 +225,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
         grad_scale, found_inf = self._amp_scalars()
         if compiling:
-            self._init_group()
-            for group, params, grads in work:
-                if params:
-                    self._step_group_traced(group, params, grads, grad_scale, found_inf)
+            self._step_traced(work, grad_scale, found_inf)  # distopt/_traced_step.py
             self._reset_grad_scaling()
             return loss
 
@@ -315,19 +313,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if torch.compiler.is_compiling():
-            # torch's zero_grad is excluded from tracing (a graph break); this is what it does.
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if set_to_none:
-                        p.grad = None
-                        continue
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+            self._zero_grad_traced(set_to_none)  # distopt/_traced_step.py
         else:
             super().zero_grad(set_to_none)
         self._reset_grad_scaling()
@@ -420,38 +406,6 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
             self._graph_lrs = [g["lr"] for g in self.param_groups]
         return lr
-
-    # ------------------------------------------------------------------ torch.compile
-
-    def _init_group(self) -> None:
-        """Creates the state of every param that has a gradient, with the steps on the params' device.
-
-        Dynamo runs an optimizer's ``_init_group`` as plain Python while tracing and only then builds
-        its view of ``self.state``, so the state exists before the graph reads it: one compile, not one
-        before and one after the first step. Hence one call for all groups, before any state is read
-        (a state created after Dynamo's view was built would be created again inside the graph).
-        """
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self._init_state(p)
-                    if state["step"].device != p.device:  # Dynamo moves them too (the op reads them there)
-                        state["step"] = state["step"].to(p.device)
-
-    def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
-        """The step under torch.compile: lr and the step counts reach the kernel as tensors (the
-        op reads them on the device), so the graph neither reads them back (.item() breaks it) nor guards on them."""
-        hyper = self._hyper(group, grad_scale)
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.to(device=self._device, dtype=torch.float32).reshape(())
-        else:  # a number: a constant, or after Dynamo has seen it change, a symbolic float
-            lr = torch.full((), lr, dtype=torch.float32, device=self._device)
-        for key, entries in self._buckets(params, grads, eager=False).items():
-            steps = [s["step"] for _, _, s in entries]
-            count_step(steps, found_inf)
-            ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
-                           **hyper)
 
     # ------------------------------------------------------------------ pickling, state dicts
 
