@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._kernel_views import layout_strides, needs_view
+
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
@@ -50,7 +52,8 @@ class Call:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     shapes: list[torch.Size]
-    strides: list[tuple[int, ...]]
+    strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: _kernel_views.py)
+    viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (_kernel_views.py)
     entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
     last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
     # Eager steps: the call's params share one step count, and their step tensors are views of this
@@ -138,11 +141,11 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             s = state.get(p)
             if not s:
                 return None
-            master = "param" in s
-            key_ = (index, p.dtype, g.dtype, master) + ((float(s["step"]),) if eager else ())
+            master, viewed = "param" in s, needs_view(p)
+            key_ = (index, p.dtype, g.dtype, master, viewed) + ((float(s["step"]),) if eager else ())
             call = calls.get(key_)
             if call is None:
-                call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
+                call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [], viewed)
             call.entries.append(s)
             call.model_params.append(p)
             call.params.append(s["param"] if master else p)
@@ -152,7 +155,7 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
                 call.param_outs.append(p)
             call.steps.append(s["step"])
             call.shapes.append(p.shape)
-            call.strides.append(p.stride())
+            call.strides.append(layout_strides(p) if viewed else p.stride())
     if eager:
         for call in calls.values():
             call.step_storage = torch.stack(call.steps).to(torch.float32)

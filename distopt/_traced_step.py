@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _kernel_views as views
 from . import ops
 from .grad_scaling import count_step
 
@@ -51,8 +52,9 @@ class TracedStep:
         for key, entries in self._buckets(params, grads, eager=False).items():
             steps = [s["step"] for _, _, s in entries]
             count_step(steps, found_inf)
-            ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
-                           **hyper)
+            lists, staged = self._lists(entries, key)
+            ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
+            views.write_back(staged)
 
     def _zero_grad_traced(self, set_to_none: bool) -> None:
         """What torch.optim.Optimizer.zero_grad does (torch excludes it from tracing: a graph break)."""

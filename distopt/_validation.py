@@ -64,6 +64,17 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def overlaps(t: Tensor) -> bool:
+    """Whether elements of `t` share memory (an expanded tensor: a stride that does not step past
+    what the dimensions with smaller strides span)."""
+    span = 0
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            return t.numel() > 0
+        span += stride * (size - 1)
+    return False
+
+
 def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int) -> None:
     """Raises if a group's lr tensor was replaced after a CUDA graph captured the step that reads it
     (the graph would keep reading the old tensor, silently)."""
@@ -74,16 +85,27 @@ def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int
         )
 
 
-def check_param_tensors(params: list[Tensor], owner: str) -> torch.device | None:
+def check_param_tensors(params: list[Tensor], owner: str, views: bool = False) -> torch.device | None:
     """The one device all `params` are on (None for no params); raises for several devices, a dtype
-    the kernels do not take, or a tensor whose elements do not fill its memory once (not dense)."""
+    the kernels do not take, or a tensor whose elements do not fill its memory once (not dense).
+    `views` (FusedAdam, distopt/_kernel_views.py): complex params whose real parts have a kernel
+    dtype, and params with gaps in memory, are taken too (not ones whose elements share memory)."""
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"{owner}: all params must be on one device, got {sorted(map(str, devices))}")
     for p in params:
-        if p.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{owner}: params must be float32, float16 or bfloat16, got {p.dtype}")
-        if not is_dense(p):
+        dtype = p.dtype.to_real() if views and p.is_complex() else p.dtype
+        if dtype in (torch.float64, torch.complex128):
+            raise TypeError(f"{owner}: {p.dtype} params are not supported: the fused kernels compute in float32, "
+                            "which would silently round a float64 model's updates (torch.optim.AdamW steps them "
+                            "in float64)")
+        if dtype not in FLOAT_DTYPES:
+            kinds = "float32, float16 or bfloat16" + (" (or complex64, complex32)" if views else "")
+            raise TypeError(f"{owner}: params must be {kinds}, got {p.dtype}")
+        if views and overlaps(p):
+            raise ValueError(f"{owner}: params must not overlap in memory (e.g. an expanded tensor): elements "
+                             "that share memory cannot be updated apart")
+        if not views and not is_dense(p):
             raise ValueError(f"{owner}: params must be dense tensors (non-overlapping, no gaps)")
     return next(iter(devices)) if devices else None
 
