@@ -1,5 +1,5 @@
 """What FusedAdam's fused kernel sees of a param it cannot walk as it is: a complex param as its real
-view, a param that is not dense in memory through a contiguous copy.
+view, a param that is not dense in memory through a dense staging copy; and params repeated in a group.
 
 The kernel takes real (fp32/fp16/bf16) tensors that fill their memory exactly once, every list of a
 call in the same layout. ``torch.optim.AdamW`` steps a complex param as ``torch.view_as_real`` of the
@@ -18,6 +18,7 @@ tensor: that one may itself be complex or not dense, and gets the same treatment
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -111,3 +112,30 @@ def write_back(staged: list[tuple[Tensor, Tensor]]) -> None:
     """Copies each copy that ``kernel_lists`` gave the kernel back into its tensor."""
     for real, t in staged:
         t.copy_(torch.view_as_complex(real) if t.is_complex() else real)
+
+
+# ---------------------------------------------------------------------- params repeated in a group
+
+Work = list[tuple[dict, list[Tensor], list[Tensor]]]  # (group, params with a gradient, their gradients)
+
+
+def rounds(work: Work) -> list[Work]:
+    """`work` split so that no round holds a param twice (a kernel call must not see a tensor twice).
+
+    torch.optim warns about a param listed twice in a group and its AdamW (for-loop and foreach)
+    then updates it once per listing, in turn, counting a step each time; the rounds do the same: the
+    k-th listing of a param is in the k-th round, run after the one before. One round (`work`
+    itself) unless a group repeats a param; every round has an entry per group, in order."""
+    if all(len(set(map(id, params))) == len(params) for _, params, _ in work):
+        return [work]
+    out: list[Work] = []
+    for index, (_, params, grads) in enumerate(work):
+        seen: dict[int, int] = defaultdict(int)
+        for p, g in zip(params, grads):
+            k = seen[id(p)]
+            seen[id(p)] += 1
+            if k == len(out):
+                out.append([(group, [], []) for group, _, _ in work])
+            out[k][index][1].append(p)
+            out[k][index][2].append(g)
+    return out

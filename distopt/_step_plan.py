@@ -128,8 +128,12 @@ def plan_key(groups: list[dict[str, Any]], state: Any, epoch: int) -> tuple:
 
 def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> StepPlan | None:
     """A plan for the params that have a gradient and a state now (None if some have a gradient but
-    no state). `eager`: one call per step count, whose params' step tensors become views of one
-    tensor (same values, still float32 scalars: torch's format), the call's ``step_storage``."""
+    no state, or a group lists a param twice: the general step updates it once per listing). `eager`: one
+    call per step count, whose params' step tensors become views of one tensor (same values, still
+    float32 scalars: torch's format), the call's ``step_storage``."""
+    params = [p for g in groups for p in g["params"]]
+    if len(set(map(id, params))) != len(params):
+        return None
     calls: dict[tuple, Call] = {}
     unplanned = []
     for index, group in enumerate(groups):
@@ -162,5 +166,4 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-    return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
-                    list(state.values()))
+    return StepPlan(key, list(calls.values()), unplanned, params, list(state.values()))

@@ -36,9 +36,10 @@ class TracedStep:
     def _step_traced(self, work, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """step()'s update of `work` ((group, params with a gradient, their gradients) per group)."""
         self._init_group()
-        for group, params, grads in work:
-            if params:
-                self._step_group_traced(group, params, grads, grad_scale, found_inf)
+        for work_round in views.rounds(work):  # one, unless a group lists a param twice
+            for group, params, grads in work_round:
+                if params:
+                    self._step_group_traced(group, params, grads, grad_scale, found_inf)
 
     def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
         """One group's update: lr and the step counts reach the kernel as tensors (the op reads them on

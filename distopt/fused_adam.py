@@ -19,7 +19,6 @@ from ._validation import (
     check_adamw_options,
     check_graph_lr,
     check_param_tensors,
-    check_unique_params,
     reconcile_weight_decay_switch,
     weight_decay_mode,
 )
@@ -79,7 +78,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     ``randn(10, 5, 2)[..., 0]``) is stepped through a contiguous copy, two copies per step for such
     params only (distopt/_kernel_views.py); one whose elements share memory (expanded) raises
     ValueError. float64 and complex128 params raise TypeError: the kernels compute in float32, which
-    would silently round a float64 model's updates (use torch.optim.AdamW).
+    would silently round a float64 model's updates (use torch.optim.AdamW). A param listed twice in a
+    group gets torch's warning and, as in AdamW's for-loop and foreach implementations, one update per
+    listing (the general step then runs every step).
 
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
@@ -155,9 +156,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         self._plan_epoch = getattr(self, "_plan_epoch", 0) + 1
         group = self.param_groups[-1]
         try:
-            all_params = [p for g in self.param_groups for p in g["params"]]
-            check_unique_params(all_params)
-            self._check_params(all_params)
+            self._check_params([p for g in self.param_groups for p in g["params"]])
             check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             check_adamw_options(group, where)
         except Exception:
@@ -245,9 +244,10 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             for call, grads in planned:
                 self._run_call(call, grads, grad_scale, found_inf)
         else:
-            for index, (group, params, grads) in enumerate(work):
-                if params:
-                    self._step_group(index, group, params, grads, grad_scale, found_inf)
+            for work_round in views.rounds(work):  # one, unless a group lists a param twice
+                for index, (group, params, grads) in enumerate(work_round):
+                    if params:
+                        self._step_group(index, group, params, grads, grad_scale, found_inf)
             self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
@@ -278,7 +278,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         work = self._work()
         grad_scale, found_inf = self._amp_scalars()
         if found_inf is None or found_inf.item() == 0:  # an inf/nan step changes nothing
-            self._host_step().step(work, self._init_state, self._hyper, grad_scale, found_inf)
+            for work_round in views.rounds(work):
+                self._host_step().step(work_round, self._init_state, self._hyper, grad_scale, found_inf)
         self._reset_grad_scaling()
         return loss
 
