@@ -85,7 +85,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
     format, contiguous for one that is not dense), so state dicts move between this class and
-    ``torch.optim.AdamW`` both ways.
+    ``torch.optim.AdamW`` both ways, ``param_names`` (``named_parameters()``) kept as torch keeps them.
 
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
