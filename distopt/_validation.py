@@ -20,7 +20,7 @@ def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_dec
     compiling = torch.compiler.is_compiling()
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
+            raise ValueError(f"Tensor lr must be 1-element (or lr a number), got shape {tuple(lr.shape)}")
         # Not read back on a GPU (capturable: that would synchronise every step) nor under torch.compile
         # (.item() breaks the graph).
         if lr.device.type == "cpu" and not compiling and not lr.item() >= 0.0:
@@ -36,6 +36,8 @@ def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_dec
         beta1, beta2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"betas must be a pair of numbers, got {betas!r}") from None
+    if isinstance(beta1, Tensor) != isinstance(beta2, Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")  # as torch.optim.Adam(W)
     for i, beta in enumerate((beta1, beta2)):
         if not 0.0 <= _number(beta) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {_number(beta)} (must be in [0, 1))")
