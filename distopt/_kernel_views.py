@@ -19,7 +19,7 @@ tensor: that one may itself be complex or not dense, and gets the same treatment
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -76,12 +76,13 @@ def norm_view(g: Tensor) -> Tensor:
     return as_real(g if is_walkable(g) else g.contiguous())
 
 
-def kernel_lists(entries: list[tuple[Tensor, Tensor, dict[str, Any]]], has_master: bool
+def kernel_lists(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                 exp_avg_sqs: Sequence[Tensor], param_outs: Sequence[Tensor] = ()
                  ) -> tuple[dict[str, list[Tensor]], list[tuple[Tensor, Tensor]]]:
-    """The kernel's lists for (param, gradient in ``in_layout``, state) entries that need views, and
-    the (copy, tensor) pairs to ``write_back`` after the kernel ran. A param not dense in memory goes
-    through a contiguous copy, also when it is only written (``param_outs`` of a master): a skipped
-    (inf/nan) update then writes back the values it had."""
+    """The kernel's lists made from a call's lists of tensors that need views (the grads already in
+    ``in_layout``), and the (copy, tensor) pairs to ``write_back`` after the kernel ran. A param not
+    dense in memory goes through a contiguous copy, also when it is only written (``param_outs`` of
+    a master): a skipped (inf/nan) update then writes back the values it had."""
     staged: list[tuple[Tensor, Tensor]] = []
 
     def written(t: Tensor) -> Tensor:  # a tensor the kernel updates, as it takes it
@@ -97,14 +98,9 @@ def kernel_lists(entries: list[tuple[Tensor, Tensor, dict[str, Any]]], has_maste
         staged.append((real, t))
         return real
 
-    states = [s for _, _, s in entries]
-    lists = dict(
-        params=[written(s["param"] if has_master else p) for p, _, s in entries],
-        grads=[as_real(g) for _, g, _ in entries],
-        exp_avgs=[written(s["exp_avg"]) for s in states],
-        exp_avg_sqs=[written(s["exp_avg_sq"]) for s in states],
-        param_outs=[written(p) for p, _, _ in entries] if has_master else [],
-    )
+    lists = dict(params=[written(t) for t in params], grads=[as_real(g) for g in grads],
+                 exp_avgs=[written(t) for t in exp_avgs], exp_avg_sqs=[written(t) for t in exp_avg_sqs],
+                 param_outs=[written(t) for t in param_outs])
     return lists, staged
 
 

@@ -300,8 +300,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
                      param_outs=call.param_outs)
         staged = ()
-        if call.viewed:  # complex or not dense: their views and staging, built anew (_kernel_views.py)
-            lists, staged = views.kernel_lists(list(zip(call.model_params, grads, call.entries)), bool(call.param_outs))
+        if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/_kernel_views.py)
+            lists, staged = views.kernel_lists(**lists)
         if self.capturable:
             lr = self._capturable_lr(call.group)
             count_step(call.steps, found_inf)
@@ -390,18 +390,18 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     @staticmethod
     def _lists(entries: list[tuple[Tensor, Tensor, dict]], key: tuple) -> tuple[dict[str, Any], list]:
-        """The kernel's lists for one bucket, and the staging to write back after it (_kernel_views.py)."""
-        has_master, viewed = key[2], key[3]
-        if viewed:
-            return views.kernel_lists(entries, has_master)
+        """The kernel's lists for one bucket, and what to write back after it (params that need views:
+        distopt/_kernel_views.py)."""
+        has_master = key[2]
         states = [s for _, _, s in entries]
-        return dict(
+        lists = dict(
             params=[s["param"] if has_master else p for p, _, s in entries],
             grads=[g for _, g, _ in entries],
             exp_avgs=[s["exp_avg"] for s in states],
             exp_avg_sqs=[s["exp_avg_sq"] for s in states],
             param_outs=[p for p, _, _ in entries] if has_master else (),
-        ), []
+        )
+        return views.kernel_lists(**lists) if key[3] else (lists, ())
 
     def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
         hyper = self._hyper(group, grad_scale)
