@@ -22,7 +22,7 @@ env: $(STAMP)
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib
+	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib expecttest
 	# the integrations are tested with the real frameworks (optional at run time: see pyproject extras)
 	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
 	touch $@

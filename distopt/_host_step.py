@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._kernel_views import as_real, state_dtype
 from .offload import HOST, HostTransfers, Landing
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "param")
@@ -38,8 +39,8 @@ class HostStep:
         self.adopt(state)
 
     def fp32_like(self, p: Tensor) -> Tensor:
-        """Uninitialised fp32 host memory with `p`'s shape and strides."""
-        return self.transfers.empty_like(p, torch.float32)
+        """Uninitialised fp32 (complex: complex64) host memory with `p`'s shape and layout."""
+        return self.transfers.empty_like(p, state_dtype(p))
 
     def new_state(self, p: Tensor) -> dict[str, Tensor]:
         """A param's first state: zero moments and its fp32 master, in host memory."""
@@ -63,7 +64,7 @@ class HostStep:
         key = (grad_dtype, p.dtype, p.shape, p.stride())
         staged = self._staging.get(p)
         if staged is None or staged[0] != key:
-            out = self.transfers.empty_like(p) if p.dtype != torch.float32 else None
+            out = self.transfers.empty_like(p) if p.dtype != state_dtype(p) else None
             staged = self._staging[p] = (key, self.transfers.empty_like(p, grad_dtype), out)
         return staged[1], staged[2]
 
@@ -109,14 +110,14 @@ class HostStep:
             for (index, _, _, step), bucket in buckets.items():
                 group = work[index][0]
                 states = [e[2] for e in bucket]
-                ops.adam_step_(
-                    [s["param"] for s in states],
-                    [e[3] for e in bucket],
-                    [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
+                ops.adam_step_(  # complex params as their real views (distopt/_kernel_views.py)
+                    [as_real(s["param"]) for s in states],
+                    [as_real(e[3]) for e in bucket],
+                    [as_real(s["exp_avg"]) for s in states],
+                    [as_real(s["exp_avg_sq"]) for s in states],
                     lr=float(group["lr"]),
                     step=step + 1,
-                    param_outs=[e[4] for e in bucket if e[4] is not None],
+                    param_outs=[as_real(e[4]) for e in bucket if e[4] is not None],
                     found_inf=found_inf,
                     **hyper(group, grad_scale),
                 )

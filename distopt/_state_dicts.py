@@ -54,11 +54,15 @@ def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dic
     """Copies lr, betas, eps, weight_decay, the weight-decay switch (adam_w_mode, and
     decoupled_weight_decay where the group has that key: a torch group's sets both) and, into groups
     with that key, maximize (absent from a group saved before it existed: False) from the saved
-    groups. A tensor lr (capturable) is filled in place, so a captured CUDA graph keeps reading it."""
+    groups, and ``param_names`` as torch.optim does: the saved names where there are some, else the
+    group's own (if any). A tensor lr (capturable) is filled in place, so a captured CUDA graph keeps
+    reading it."""
     for group, saved in zip(groups, saved_groups):
         for key in RESTORED:
             if key in saved:
                 group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+        if "param_names" in saved:
+            group["param_names"] = list(saved["param_names"])
         mode = _weight_decay_mode(saved)
         if mode is not None:
             group["adam_w_mode"] = mode

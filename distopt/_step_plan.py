@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._kernel_views import layout_strides, needs_view
+
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
@@ -50,7 +52,8 @@ class Call:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     shapes: list[torch.Size]
-    strides: list[tuple[int, ...]]
+    strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: _kernel_views.py)
+    viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (_kernel_views.py)
     entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
     last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
     # Eager steps: the call's params share one step count, and their step tensors are views of this
@@ -125,8 +128,12 @@ def plan_key(groups: list[dict[str, Any]], state: Any, epoch: int) -> tuple:
 
 def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> StepPlan | None:
     """A plan for the params that have a gradient and a state now (None if some have a gradient but
-    no state). `eager`: one call per step count, whose params' step tensors become views of one
-    tensor (same values, still float32 scalars: torch's format), the call's ``step_storage``."""
+    no state, or a group lists a param twice: the general step updates it once per listing). `eager`: one
+    call per step count, whose params' step tensors become views of one tensor (same values, still
+    float32 scalars: torch's format), the call's ``step_storage``."""
+    params = [p for g in groups for p in g["params"]]
+    if len(set(map(id, params))) != len(params):
+        return None
     calls: dict[tuple, Call] = {}
     unplanned = []
     for index, group in enumerate(groups):
@@ -138,11 +145,11 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             s = state.get(p)
             if not s:
                 return None
-            master = "param" in s
-            key_ = (index, p.dtype, g.dtype, master) + ((float(s["step"]),) if eager else ())
+            master, viewed = "param" in s, needs_view(p)
+            key_ = (index, p.dtype, g.dtype, master, viewed) + ((float(s["step"]),) if eager else ())
             call = calls.get(key_)
             if call is None:
-                call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
+                call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [], viewed)
             call.entries.append(s)
             call.model_params.append(p)
             call.params.append(s["param"] if master else p)
@@ -152,12 +159,11 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
                 call.param_outs.append(p)
             call.steps.append(s["step"])
             call.shapes.append(p.shape)
-            call.strides.append(p.stride())
+            call.strides.append(layout_strides(p) if viewed else p.stride())
     if eager:
         for call in calls.values():
             call.step_storage = torch.stack(call.steps).to(torch.float32)
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-    return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
-                    list(state.values()))
+    return StepPlan(key, list(calls.values()), unplanned, params, list(state.values()))

@@ -20,7 +20,7 @@ def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_dec
     compiling = torch.compiler.is_compiling()
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"lr must be a number or a one-element tensor, got shape {tuple(lr.shape)}")
+            raise ValueError(f"Tensor lr must be 1-element (or lr a number), got shape {tuple(lr.shape)}")
         # Not read back on a GPU (capturable: that would synchronise every step) nor under torch.compile
         # (.item() breaks the graph).
         if lr.device.type == "cpu" and not compiling and not lr.item() >= 0.0:
@@ -36,6 +36,8 @@ def check_adam_hyperparameters(lr: float | Tensor, betas, eps: float, weight_dec
         beta1, beta2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"betas must be a pair of numbers, got {betas!r}") from None
+    if isinstance(beta1, Tensor) != isinstance(beta2, Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")  # as torch.optim.Adam(W)
     for i, beta in enumerate((beta1, beta2)):
         if not 0.0 <= _number(beta) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {_number(beta)} (must be in [0, 1))")
@@ -64,6 +66,17 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def overlaps(t: Tensor) -> bool:
+    """Whether elements of `t` share memory (an expanded tensor: a stride that does not step past
+    what the dimensions with smaller strides span)."""
+    span = 0
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            return t.numel() > 0
+        span += stride * (size - 1)
+    return False
+
+
 def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int) -> None:
     """Raises if a group's lr tensor was replaced after a CUDA graph captured the step that reads it
     (the graph would keep reading the old tensor, silently)."""
@@ -74,16 +87,27 @@ def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int
         )
 
 
-def check_param_tensors(params: list[Tensor], owner: str) -> torch.device | None:
+def check_param_tensors(params: list[Tensor], owner: str, views: bool = False) -> torch.device | None:
     """The one device all `params` are on (None for no params); raises for several devices, a dtype
-    the kernels do not take, or a tensor whose elements do not fill its memory once (not dense)."""
+    the kernels do not take, or a tensor whose elements do not fill its memory once (not dense).
+    `views` (FusedAdam, distopt/_kernel_views.py): complex params whose real parts have a kernel
+    dtype, and params with gaps in memory, are taken too (not ones whose elements share memory)."""
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"{owner}: all params must be on one device, got {sorted(map(str, devices))}")
     for p in params:
-        if p.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{owner}: params must be float32, float16 or bfloat16, got {p.dtype}")
-        if not is_dense(p):
+        dtype = p.dtype.to_real() if views and p.is_complex() else p.dtype
+        if dtype in (torch.float64, torch.complex128):
+            raise TypeError(f"{owner}: {p.dtype} params are not supported: the fused kernels compute in float32, "
+                            "which would silently round a float64 model's updates (torch.optim.AdamW steps them "
+                            "in float64)")
+        if dtype not in FLOAT_DTYPES:
+            kinds = "float32, float16 or bfloat16" + (" (or complex64, complex32)" if views else "")
+            raise TypeError(f"{owner}: params must be {kinds}, got {p.dtype}")
+        if views and overlaps(p):
+            raise ValueError(f"{owner}: params must not overlap in memory (e.g. an expanded tensor): elements "
+                             "that share memory cannot be updated apart")
+        if not views and not is_dense(p):
             raise ValueError(f"{owner}: params must be dense tensors (non-overlapping, no gaps)")
     return next(iter(devices)) if devices else None
 

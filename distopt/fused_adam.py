@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _kernel_views as views
 from . import _step_plan, ops
 from ._host_step import STATE_TENSORS, HostStep
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
+from ._traced_step import TracedStep
 from ._validation import (
-    FLOAT_DTYPES,
     check_adam_hyperparameters,
     check_adamw_options,
     check_graph_lr,
     check_param_tensors,
-    check_unique_params,
     reconcile_weight_decay_switch,
     weight_decay_mode,
 )
@@ -31,7 +31,7 @@ _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_in
 _TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host")
 
 
-class FusedAdam(GradScaling, torch.optim.Optimizer):
+class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
     model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
 
@@ -73,9 +73,19 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     Dynamo first sees it change (it guards on every float in ``param_groups``, as for torch.optim);
     a tensor lr (``lr=torch.tensor(1e-3)``, updated in place by schedulers) costs none.
 
+    Params: float32, float16, bfloat16, and complex64/complex32, stepped as their real views as AdamW
+    steps them (the same numbers). Any strides: a param that is not dense in memory (a slice such as
+    ``randn(10, 5, 2)[..., 0]``) is stepped through a contiguous copy, two copies per step for such
+    params only (distopt/_kernel_views.py); one whose elements share memory (expanded) raises
+    ValueError. float64 and complex128 params raise TypeError: the kernels compute in float32, which
+    would silently round a float64 model's updates (use torch.optim.AdamW). A param listed twice in a
+    group gets torch's warning and, as in AdamW's for-loop and foreach implementations, one update per
+    listing (the general step then runs every step).
+
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
-    ``exp_avg`` and ``exp_avg_sq`` (fp32, the param's shape and memory format), so state dicts move
-    between this class and ``torch.optim.AdamW`` both ways.
+    ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
+    format, contiguous for one that is not dense), so state dicts move between this class and
+    ``torch.optim.AdamW`` both ways, ``param_names`` (``named_parameters()``) kept as torch keeps them.
 
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
@@ -124,7 +134,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         self._plan_epoch = 0  # bumped when the plan must go: groups added, state loaded
 
     def _check_params(self, params: list[Tensor]) -> None:
-        self._device = check_param_tensors(params, "FusedAdam") or torch.device("cpu")
+        self._device = check_param_tensors(params, "FusedAdam", views=True) or torch.device("cpu")
         if self.capturable and self._device.type != "cuda":
             raise ValueError(
                 f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
@@ -146,9 +156,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         self._plan_epoch = getattr(self, "_plan_epoch", 0) + 1
         group = self.param_groups[-1]
         try:
-            all_params = [p for g in self.param_groups for p in g["params"]]
-            check_unique_params(all_params)
-            self._check_params(all_params)
+            self._check_params([p for g in self.param_groups for p in g["params"]])
             check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             check_adamw_options(group, where)
         except Exception:
@@ -160,7 +168,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
 
     def _uses_master(self, p: Tensor) -> bool:
-        return self.offload_optimizer or (self.master_weights and p.dtype != torch.float32)
+        return self.offload_optimizer or (self.master_weights and p.dtype != views.state_dtype(p))
 
     def _host_step(self) -> HostStep:
         if self._host is None:
@@ -168,10 +176,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         return self._host
 
     def _fp32_like(self, p: Tensor) -> Tensor:
-        """Uninitialised fp32 state with `p`'s shape and strides, where the state lives."""
+        """Uninitialised fp32 (complex: complex64) state with `p`'s shape and layout, where the state lives."""
         if self.offload_optimizer:
             return self._host_step().fp32_like(p)
-        return torch.empty_like(p, dtype=torch.float32)
+        return views.state_like(p)
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -186,10 +194,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             if self.offload_optimizer:
                 state.update(self._host_step().new_state(p))
                 return state
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = self._fp32_like(p).zero_()
+            state["exp_avg_sq"] = self._fp32_like(p).zero_()
             if self._uses_master(p):
-                state["param"] = p.detach().float()
+                state["param"] = self._fp32_like(p).copy_(p.detach())
         return state
 
     @staticmethod
@@ -197,15 +205,15 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         g = p.grad
         if g.is_sparse:
             raise RuntimeError("FusedAdam does not support sparse gradients")
-        if g.is_complex() or g.dtype not in FLOAT_DTYPES:
-            raise RuntimeError(f"FusedAdam: gradients must be float32, float16 or bfloat16, got {g.dtype}")
+        if g.is_complex() != p.is_complex() or g.dtype not in views.DTYPES:
+            raise RuntimeError(f"FusedAdam: gradients must be float32, float16 or bfloat16 (complex for complex "
+                               f"params), got {g.dtype} for a {p.dtype} param")
         if g.shape != p.shape or g.device != p.device:
             raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(g.shape)} on {g.device} does not match "
                                f"its param ({tuple(p.shape)} on {p.device})")
-        if g.stride() != p.stride():
-            # The kernel walks every list in the param's memory order.
-            g = torch.empty_like(p, dtype=g.dtype).copy_(g)
-        return g
+        if g.stride() == p.stride() and p.is_contiguous():
+            return g
+        return views.in_layout(p, g)  # the kernel walks every list in the param's memory order
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -224,10 +232,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
         grad_scale, found_inf = self._amp_scalars()
         if compiling:
-            self._init_group()
-            for group, params, grads in work:
-                if params:
-                    self._step_group_traced(group, params, grads, grad_scale, found_inf)
+            self._step_traced(work, grad_scale, found_inf)  # distopt/_traced_step.py
             self._reset_grad_scaling()
             return loss
 
@@ -239,9 +244,10 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             for call, grads in planned:
                 self._run_call(call, grads, grad_scale, found_inf)
         else:
-            for index, (group, params, grads) in enumerate(work):
-                if params:
-                    self._step_group(index, group, params, grads, grad_scale, found_inf)
+            for work_round in views.rounds(work):  # one, unless a group lists a param twice
+                for index, (group, params, grads) in enumerate(work_round):
+                    if params:
+                        self._step_group(index, group, params, grads, grad_scale, found_inf)
             self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
@@ -272,7 +278,8 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         work = self._work()
         grad_scale, found_inf = self._amp_scalars()
         if found_inf is None or found_inf.item() == 0:  # an inf/nan step changes nothing
-            self._host_step().step(work, self._init_state, self._hyper, grad_scale, found_inf)
+            for work_round in views.rounds(work):
+                self._host_step().step(work_round, self._init_state, self._hyper, grad_scale, found_inf)
         self._reset_grad_scaling()
         return loss
 
@@ -292,10 +299,14 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         hyper = self._hyper(group, grad_scale)
         lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
                      param_outs=call.param_outs)
+        staged = ()
+        if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/_kernel_views.py)
+            lists, staged = views.kernel_lists(**lists)
         if self.capturable:
             lr = self._capturable_lr(call.group)
             count_step(call.steps, found_inf)
             ops.adam_step_(**lists, lr=lr, step=call.steps, found_inf=found_inf, **hyper)
+            views.write_back(staged)
             return
         lr = float(group["lr"])
         call.step_storage.add_(1)  # every param's step (views of it), counting this update
@@ -304,6 +315,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         except Exception:
             call.step_storage.sub_(1)  # the op checks everything before writing: undo the count
             raise
+        views.write_back(staged)
 
     def _work(self) -> list[tuple[dict, list[Tensor], list[Tensor]]]:
         """(group, params with a gradient, their checked gradients) per group: the general step's lists."""
@@ -315,19 +327,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if torch.compiler.is_compiling():
-            # torch's zero_grad is excluded from tracing (a graph break); this is what it does.
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if set_to_none:
-                        p.grad = None
-                        continue
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+            self._zero_grad_traced(set_to_none)  # distopt/_traced_step.py
         else:
             super().zero_grad(set_to_none)
         self._reset_grad_scaling()
@@ -360,8 +360,9 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is not None:
-                    by_dtype[p.grad.dtype].append(p.grad)
+                if (g := p.grad) is not None:
+                    g = g if g.is_contiguous() and not g.is_complex() else views.norm_view(g)  # (complex, gaps)
+                    by_dtype[g.dtype].append(g)
         flag = torch.zeros(1, dtype=torch.float32, device=self._device)
         sq = torch.zeros(1, dtype=torch.float32, device=self._device)
         for grads in by_dtype.values():
@@ -376,40 +377,45 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
                     adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)
 
     def _buckets(self, params, grads, eager: bool) -> dict[tuple, list[tuple[Tensor, Tensor, dict]]]:
-        """(param, grad, state) entries per kernel call: one per combination of dtypes (and, in eager
-        mode, of step number, which the eager op takes as a number)."""
+        """(param, grad, state) entries per kernel call: one per combination of dtypes and of whether the
+        params need views (and, in eager mode, of step number, which the eager op takes as a number)."""
         buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
         for p, g in zip(params, grads):
             state = self._init_state(p)
-            key = (p.dtype, g.dtype, "param" in state)
+            key = (p.dtype, g.dtype, "param" in state, views.needs_view(p))
             if eager:
                 key += (int(state["step"].item()),)
             buckets[key].append((p, g, state))
         return buckets
 
     @staticmethod
-    def _lists(entries: list[tuple[Tensor, Tensor, dict]], has_master: bool) -> dict[str, Any]:
+    def _lists(entries: list[tuple[Tensor, Tensor, dict]], key: tuple) -> tuple[dict[str, Any], list]:
+        """The kernel's lists for one bucket, and what to write back after it (params that need views:
+        distopt/_kernel_views.py)."""
+        has_master = key[2]
         states = [s for _, _, s in entries]
-        return dict(
+        lists = dict(
             params=[s["param"] if has_master else p for p, _, s in entries],
             grads=[g for _, g, _ in entries],
             exp_avgs=[s["exp_avg"] for s in states],
             exp_avg_sqs=[s["exp_avg_sq"] for s in states],
             param_outs=[p for p, _, _ in entries] if has_master else (),
         )
+        return views.kernel_lists(**lists) if key[3] else (lists, ())
 
     def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
         hyper = self._hyper(group, grad_scale)
         for key, entries in self._buckets(params, grads, eager=not self.capturable).items():
-            lists = self._lists(entries, has_master=key[2])
+            lists, staged = self._lists(entries, key)
             steps = [s["step"] for _, _, s in entries]
             if self.capturable:
                 lr = self._capturable_lr(index)
                 count_step(steps, found_inf)
                 ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             else:
-                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[3] + 1, **hyper)
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[4] + 1, **hyper)
                 torch._foreach_add_(steps, 1)
+            views.write_back(staged)
 
     def _capturable_lr(self, index: int) -> Tensor:
         """The group's lr as a device tensor (a number set after construction becomes one); remembers
@@ -420,38 +426,6 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         if torch.cuda.is_current_stream_capturing() and self._graph_lrs is None:
             self._graph_lrs = [g["lr"] for g in self.param_groups]
         return lr
-
-    # ------------------------------------------------------------------ torch.compile
-
-    def _init_group(self) -> None:
-        """Creates the state of every param that has a gradient, with the steps on the params' device.
-
-        Dynamo runs an optimizer's ``_init_group`` as plain Python while tracing and only then builds
-        its view of ``self.state``, so the state exists before the graph reads it: one compile, not one
-        before and one after the first step. Hence one call for all groups, before any state is read
-        (a state created after Dynamo's view was built would be created again inside the graph).
-        """
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self._init_state(p)
-                    if state["step"].device != p.device:  # Dynamo moves them too (the op reads them there)
-                        state["step"] = state["step"].to(p.device)
-
-    def _step_group_traced(self, group, params, grads, grad_scale, found_inf) -> None:
-        """The step under torch.compile: lr and the step counts reach the kernel as tensors (the
-        op reads them on the device), so the graph neither reads them back (.item() breaks it) nor guards on them."""
-        hyper = self._hyper(group, grad_scale)
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.to(device=self._device, dtype=torch.float32).reshape(())
-        else:  # a number: a constant, or after Dynamo has seen it change, a symbolic float
-            lr = torch.full((), lr, dtype=torch.float32, device=self._device)
-        for key, entries in self._buckets(params, grads, eager=False).items():
-            steps = [s["step"] for _, _, s in entries]
-            count_step(steps, found_inf)
-            ops.adam_step_(**self._lists(entries, has_master=key[2]), lr=lr, step=steps, found_inf=found_inf,
-                           **hyper)
 
     # ------------------------------------------------------------------ pickling, state dicts
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._kernel_views import layout_strides
+
 HOST = torch.device("cpu")
 
 
@@ -61,8 +63,9 @@ class HostTransfers:
         return self.empty(shape, dtype).zero_()
 
     def empty_like(self, t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """Host memory with `t`'s shape and strides (channels_last stays channels_last)."""
-        return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=HOST,
+        """Host memory with `t`'s shape and strides (channels_last stays channels_last; a `t` that is not
+        dense gets contiguous ones)."""
+        return torch.empty_strided(t.shape, layout_strides(t), dtype=dtype or t.dtype, device=HOST,
                                    pin_memory=self.pinned)
 
     def to_host(self, srcs: list[Tensor], dsts: list[Tensor]) -> Landing:

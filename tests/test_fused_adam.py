@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -380,12 +379,30 @@ def test_bad_hyperparameters(kwargs, match):
         FusedAdam([torch.randn(3, requires_grad=True)], **kwargs)
 
 
-def test_duplicate_params_rejected():
+@pytest.mark.parametrize("options", [{}, {"offload_optimizer": True}], ids=str)
+def test_param_listed_twice_in_a_group_warns_and_steps_as_adamw(options):
+    """torch's warning, and one update per listing, as AdamW's for-loop (its default on the CPU):
+    the same params and step counts after every step; across groups, torch's ValueError."""
+    def run(opt_cls, **kwargs):
+        torch.manual_seed(0)
+        p, q, r = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2)), nn.Parameter(torch.randn(4))
+        with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+            opt = opt_cls([{"params": [p, q, p, p]}, {"params": [r], "lr": 0.1}], lr=0.05, weight_decay=0.1, **kwargs)
+        history = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for t in (p, q, r):
+                t.grad = torch.randn(t.shape, generator=g)
+            opt.step()
+            history.append([t.detach().clone() for t in (p, q, r)] + [opt.state[t]["step"] for t in (p, q, r)])
+        return history
+
+    expected = run(torch.optim.AdamW, foreach=False)
+    for got, ref in zip(run(FusedAdam, **options), expected):
+        for a, e in zip(got, ref):
+            tolerances.assert_close(a, e, tolerances.OPTIMIZER)
     p = nn.Parameter(torch.randn(3))
-    with pytest.raises(ValueError, match="more than once"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch itself only warns about duplicates in one group
-        FusedAdam([p, p])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="more than one parameter group"):
         FusedAdam([{"params": [p]}, {"params": [p]}])
 
 
@@ -419,6 +436,6 @@ def test_sparse_grad_rejected_before_anything_changes():
     assert torch.equal(good, before) and len(opt.state) == 0
 
 
-def test_complex_params_rejected():
+def test_integer_params_rejected():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        FusedAdam([nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+        FusedAdam([torch.zeros(3, dtype=torch.int32)])

@@ -181,3 +181,29 @@ def test_step_and_zero_grad_compile_with_fullgraph_once(set_to_none):
     masters = [(opt.state[p]["param"], ref_opt.state[r]["param"]) for p, r in zip(params, ref_params)
                if p.dtype == torch.bfloat16]
     assert masters and all(torch.equal(m, r) for m, r in masters)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_complex_and_non_dense_params_compile_with_fullgraph(backend):
+    """A complex param (its real view), one not dense in memory (a contiguous copy) and a plain one:
+    opt.step compiles as one graph and gives the eager optimizer's bits (AOT functionalization too,
+    where the kernel updates copies of the complex tensors: distopt/_kernel_views.py)."""
+    def params():
+        torch.manual_seed(0)
+        return [nn.Parameter(torch.randn(3, 4, dtype=torch.complex64)), nn.Parameter(torch.randn(5, 3, 2)[..., 0]),
+                nn.Parameter(torch.randn(6))]
+
+    params_, ref_params = params(), params()
+    opt, ref_opt = FusedAdam(params_, weight_decay=0.1), FusedAdam(ref_params, weight_decay=0.1)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    step = torch.compile(opt.step, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(3):
+        for p, r in zip(params_, ref_params):
+            g = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+            p.grad, r.grad = g.clone(), g.clone()
+        step()
+        ref_opt.step()
+        assert all(torch.equal(p, r) for p, r in zip(params_, ref_params)), f"step {i + 1}"
+    assert counter.frame_count == 1
+    assert params_[1].stride() == (6, 2)  # still the view it was

@@ -1,10 +1,12 @@
 """FusedAdam as a drop-in for torch.optim.AdamW: every AdamW keyword and param-group key, maximize,
-the optimizer hooks, deepcopy and pickling, each checked against torch.optim's own behaviour."""
+the optimizer hooks, deepcopy and pickling, param_names through state dicts, each checked against
+torch.optim's own behaviour."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import pickle
 
 import pytest
@@ -341,3 +343,45 @@ def test_pickled_model_and_optimizer_continue_identically():
             o.clip_grad_norm(0.05)
             o.step()
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+# ----------------------------------------------------------------------------- param_names
+
+
+@pytest.mark.parametrize("named_save, named_load", list(itertools.product([False, True], repeat=2)))
+def test_param_names_kept_through_loads_as_adamw(named_save, named_load):
+    """A state dict from an optimizer built on ``named_parameters()`` (or not) loaded into one built on
+    ``named_parameters()`` (or not): the later state dicts carry the same ``param_names`` as AdamW's
+    (the saved names, else the loading optimizer's own), and training continues as AdamW's."""
+    def run(opt_cls) -> tuple[list, list]:
+        model = make_model()
+        clone = copy.deepcopy(model)
+
+        def params(m, named):
+            return list(m.named_parameters()) if named else list(m.parameters())
+
+        opt = opt_cls(params(model, named_save), lr=0.01)
+        train(model, opt, steps=1)
+        loaded = opt_cls(params(clone, named_load), lr=0.01)
+        loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+        history = train(clone, loaded, steps=2, seed=2)
+        groups = [{k: g[k] for k in ("params", "param_names") if k in g} for g in loaded.state_dict()["param_groups"]]
+        return groups, history
+
+    (groups, history), (ref_groups, ref_history) = run(FusedAdam), run(torch.optim.AdamW)
+    assert groups == ref_groups
+    assert ("param_names" in ref_groups[0]) == (named_save or named_load)  # the case is the one intended
+    assert_history_close(history, ref_history)
+
+
+def test_negative_control_names_dropped_by_a_load_are_caught(monkeypatch):
+    import distopt._state_dicts as state_dicts
+    import distopt.fused_adam as fused_adam
+
+    def forgetful(groups, saved_groups):
+        state_dicts.restore_hyperparameters(groups, [{k: v for k, v in g.items() if k != "param_names"}
+                                                     for g in saved_groups])
+
+    monkeypatch.setattr(fused_adam, "restore_hyperparameters", forgetful)
+    with pytest.raises(AssertionError):
+        test_param_names_kept_through_loads_as_adamw(named_save=True, named_load=False)

@@ -1,7 +1,8 @@
 """FusedAdam's step plan (distopt/_step_plan.py): the steady-state step reuses its kernel lists, does
 no Python work per param, and gives exactly the general step's bits through every change the plan
 must notice (grads replaced, kept, missing or in another layout; groups added; hyperparameters
-changed; state loaded; storage replaced; a step count edited in place)."""
+changed; state loaded; storage replaced; a step count edited in place), with complex params and
+params not dense in memory among the others (distopt/_kernel_views.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def make_params() -> list[nn.Parameter]:
         nn.Parameter(torch.randn(7, 5, generator=g)),
         nn.Parameter(torch.randn(33, generator=g).bfloat16()),
         nn.Parameter(torch.randn(1, generator=g)),
+        nn.Parameter(torch.randn(4, 6, dtype=torch.complex64, generator=g)),  # stepped as its real view
+        nn.Parameter(torch.randn(5, 3, 2, generator=g)[..., 0].bfloat16()),  # not dense: a contiguous copy
     ]
 
 
 def grad_for(p: torch.Tensor, step: int, i: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + i)
-    return torch.empty_like(p, dtype=dtype or p.dtype).copy_(torch.randn(p.shape, generator=g))  # p's layout
+    # p's layout (contiguous for a param that is not dense: autograd's)
+    return torch.empty_like(p, dtype=dtype or p.dtype).copy_(torch.randn(p.shape, dtype=p.dtype, generator=g))
 
 
 def stepped(steps: int) -> tuple[list[nn.Parameter], FusedAdam]:
@@ -144,22 +148,22 @@ def test_state_keeps_torchs_format():
     for p in params:
         step = opt.state[p]["step"]
         assert step.shape == () and step.dtype == torch.float32 and step.device.type == "cpu" and float(step) == 3.0
-    torch_params = [nn.Parameter(p.detach().float()) for p in params]
+    torch_params = [nn.Parameter(p.detach().to(torch.complex64 if p.is_complex() else torch.float32)) for p in params]
     torch_opt = torch.optim.AdamW(torch_params)
     torch_opt.load_state_dict(opt.state_dict())  # and torch.optim takes it
     assert [float(s["step"]) for s in torch_opt.state.values()] == [3.0] * len(params)
 
 
-def python_calls_per_step(count: int, planned: bool = True) -> int:
-    """Python function calls made by one steady-state step of `count` params (`planned=False`: with
-    the plan dropped before every step, so each takes the general way)."""
-    params = [nn.Parameter(torch.randn(4)) for _ in range(count)]
+def python_calls_per_step(count: int, planned: bool = True, extra: list[nn.Parameter] = ()) -> int:
+    """Python function calls made by one steady-state step of `count` params and the `extra` ones
+    (`planned=False`: with the plan dropped before every step, so each takes the general way)."""
+    params = [nn.Parameter(torch.randn(4)) for _ in range(count)] + list(extra)
     opt = FusedAdam(params)
     if not planned:
         opt.register_step_pre_hook(lambda o, args, kwargs: setattr(o, "_plan", None))
     for _ in range(3):
         for p in params:
-            p.grad = torch.randn(4)
+            p.grad = torch.randn(p.shape, dtype=p.dtype)
         opt.step()
     calls = 0
 
@@ -177,6 +181,16 @@ def python_calls_per_step(count: int, planned: bool = True) -> int:
 
 def test_steady_state_does_no_python_work_per_param():
     assert python_calls_per_step(10) == python_calls_per_step(300)
+
+
+def test_complex_and_non_dense_params_cost_nothing_per_dense_param():
+    """With a complex param and one not dense in memory beside them (their own calls, whose lists are
+    rebuilt every step), the steady state still does no Python work per ordinary param."""
+    def extra():
+        return [nn.Parameter(torch.randn(3, dtype=torch.complex64)), nn.Parameter(torch.randn(4, 2)[:, 0])]
+
+    assert python_calls_per_step(10, extra=extra()) == python_calls_per_step(300, extra=extra())
+    assert python_calls_per_step(10, extra=extra()) > python_calls_per_step(10)  # (they do cost their own)
 
 
 def test_negative_control_the_general_step_works_per_param():

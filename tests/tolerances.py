@@ -23,7 +23,10 @@ OPTIMIZER = {
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, table: dict, dtype: torch.dtype | None = None,
                  scale_atol: bool = False, **kw):
-    """torch.testing.assert_close with the table's tolerance for `dtype` (default: actual's dtype)."""
+    """torch.testing.assert_close with the table's tolerance for `dtype` (default: actual's dtype);
+    complex tensors are compared as their real views, with their parts' tolerance."""
+    if actual.is_complex() or expected.is_complex():
+        actual, expected = torch.view_as_real(actual), torch.view_as_real(expected)
     tol = dict(table[dtype or actual.dtype])
     if scale_atol and expected.numel():
         tol["atol"] = max(tol["atol"], tol["rtol"] * expected.detach().abs().max().item())
