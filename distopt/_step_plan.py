@@ -14,6 +14,9 @@ optimizer's structure changes: param groups added or their param lists resized, 
 replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout,
 a param that gained or lost its gradient, a replaced tensor) takes the general way for that step,
 which raises the precise errors and builds a new plan.
+
+DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
+the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from . import dtensor
 
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
@@ -34,6 +39,8 @@ _layout = operator.attrgetter("layout")
 _device = operator.attrgetter("device")
 _stride = operator.methodcaller("stride")
 _is_none = functools.partial(operator.is_, None)
+_local = operator.attrgetter("_local_tensor")  # a DTensor's local shard
+_spec = operator.attrgetter("_spec")
 
 
 @dataclass
@@ -63,9 +70,16 @@ class Call:
         lists = [("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
         return lists + ([("param", self.params)] if self.param_outs else [])
 
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the planned params now."""
+        return set(map(_dtype, self.model_params))
+
     def grads(self, device: torch.device) -> list[Tensor] | None:
         """The current grads if they are what the plan expects, else None."""
-        grads = list(map(_grad, self.model_params))
+        return self.checked(list(map(_grad, self.model_params)), device)
+
+    def checked(self, grads: list[Tensor], device: torch.device) -> list[Tensor] | None:
+        """`grads` (what the kernel reads) if they are what the plan expects, else None."""
         if len(grads) == len(self.last_grads) and all(map(operator.is_, grads, self.last_grads)):
             return grads  # the same tensors as last step (accumulated in place, or never zeroed)
         if any(map(_is_none, grads)):
@@ -103,7 +117,7 @@ class StepPlan:
             return None
         out = []
         for call in self.calls:
-            if set(map(_dtype, call.model_params)) != {call.param_dtype}:
+            if call.dtypes() != {call.param_dtype}:
                 return None
             for name, planned in call.state_lists():
                 if not all(map(operator.is_, map(operator.methodcaller("get", name), call.entries), planned)):
@@ -139,7 +153,7 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             if not s:
                 return None
             master = "param" in s
-            key_ = (index, p.dtype, g.dtype, master) + ((float(s["step"]),) if eager else ())
+            key_ = (index, p.dtype, g.dtype, master, dtensor.is_dtensor(p)) + ((float(s["step"]),) if eager else ())
             call = calls.get(key_)
             if call is None:
                 call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [])
@@ -159,5 +173,52 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-    return StepPlan(key, list(calls.values()), unplanned, [p for g in groups for p in g["params"]],
-                    list(state.values()))
+    planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
+    return StepPlan(key, planned, unplanned, [p for g in groups for p in g["params"]], list(state.values()))
+
+
+@dataclass
+class ShardedCall(Call):
+    """A call over DTensor params (distopt/dtensor.py): the kernel's lists hold the local shards of the
+    params and their state. ``held`` keeps what the state holds (the DTensors, and the plain step
+    counters), which the identity checks compare; each step checks that the params still wrap the
+    planned shards and that the grads have the params' specs (FSDP2 gives them the param's own spec
+    object: an identity check; otherwise mesh and placements are compared), and unwraps the grads."""
+
+    held: list[tuple[str, list[Tensor]]] = field(default_factory=list)
+    param_shards: list[Tensor] = field(default_factory=list)
+    specs: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, call: Call) -> ShardedCall:
+        sharded = cls(**{f.name: getattr(call, f.name) for f in fields(Call)})
+        sharded.held = call.state_lists()
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs"):
+            setattr(sharded, name, [dtensor.local(t) for t in getattr(call, name)])
+        sharded.param_shards = list(map(_local, call.model_params))
+        sharded.shapes = list(map(_shape, sharded.param_shards))
+        sharded.strides = list(map(_stride, sharded.param_shards))
+        sharded.specs = list(map(_spec, call.model_params))
+        return sharded
+
+    def state_lists(self) -> list[tuple[str, list[Tensor]]]:
+        return self.held
+
+    def dtypes(self) -> set[torch.dtype]:
+        return set(map(_dtype, self.param_shards))  # a DTensor's own getters cost twice a plain tensor's
+
+    def grads(self, device: torch.device) -> list[Tensor] | None:
+        if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):
+            return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
+        grads = list(map(_grad, self.model_params))
+        try:
+            same_specs = all(map(operator.is_, map(_spec, grads), self.specs))
+        except AttributeError:
+            return None  # a grad is missing, or not a DTensor
+        if not same_specs:
+            try:
+                for p, g in zip(self.model_params, grads):
+                    dtensor.check_grad(p, g)
+            except RuntimeError:
+                return None  # the general step raises the precise error
+        return self.checked(list(map(_local, grads)), device)

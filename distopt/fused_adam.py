@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _step_plan, ops
+from . import _step_plan, dtensor, ops
 from ._host_step import STATE_TENSORS, HostStep
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._validation import (
@@ -28,7 +29,7 @@ from .grad_scaling import GradScaling, count_step
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
 _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_inv_scale", "_clip_coef", "_found_inf",
             "_unscaled", "_clips")
-_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host")
+_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host", "_norm_reduction")
 
 
 class FusedAdam(GradScaling, torch.optim.Optimizer):
@@ -117,6 +118,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         self.capturable = capturable
         self.offload_optimizer = bool(offload_optimizer)
         self._host: HostStep | None = None  # built at the first use (distopt/_host_step.py)
+        self._norm_reduction: dtensor.NormReduction | None = None  # how grad norms combine (distopt/dtensor.py)
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
@@ -125,6 +127,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _check_params(self, params: list[Tensor]) -> None:
         self._device = check_param_tensors(params, "FusedAdam") or torch.device("cpu")
+        dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
         if self.capturable and self._device.type != "cuda":
             raise ValueError(
                 f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
@@ -171,7 +174,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         """Uninitialised fp32 state with `p`'s shape and strides, where the state lives."""
         if self.offload_optimizer:
             return self._host_step().fp32_like(p)
-        return torch.empty_like(p, dtype=torch.float32)
+        return dtensor.like_param(p, functools.partial(torch.empty_like, dtype=torch.float32))
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -186,15 +189,16 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             if self.offload_optimizer:
                 state.update(self._host_step().new_state(p))
                 return state
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            zeros = functools.partial(torch.zeros_like, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = dtensor.like_param(p, zeros)  # a DTensor param's state: a DTensor like it
+            state["exp_avg_sq"] = dtensor.like_param(p, zeros)
             if self._uses_master(p):
-                state["param"] = p.detach().float()
+                state["param"] = dtensor.like_param(p, lambda t: t.detach().float())
         return state
 
     @staticmethod
     def _check_grad(p: Tensor) -> Tensor:
-        g = p.grad
+        p, g = dtensor.local_param_and_grad(p)  # a DTensor param's: the local shards, laid out alike
         if g.is_sparse:
             raise RuntimeError("FusedAdam does not support sparse gradients")
         if g.is_complex() or g.dtype not in FLOAT_DTYPES:
@@ -249,7 +253,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes of the per-param state by category (``master``, ``moments``, ``staging``: offload's host
         copies), with ``device`` and ``host`` totals (offload: all of it is host memory) and ``total``."""
-        sizes = {k: sum(s[k].nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
+        sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
         report = {"master": sizes["param"], "moments": sizes["exp_avg"] + sizes["exp_avg_sq"],
                   "staging": self._host.staging_bytes() if self._host is not None else 0}
         total = sum(report.values())
@@ -352,22 +356,16 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         return grad_scale, found_inf
 
     def _grads_key(self):
-        return tuple((id(p.grad), p.grad._version) for g in self.param_groups for p in g["params"]
-                     if p.grad is not None)
+        # A DTensor grad's shard: FSDP2 accumulates into it in place, which leaves the DTensor's version as it was.
+        return tuple((id(g), g._version) for g in (dtensor.local(p.grad) for group in self.param_groups
+                                                     for p in group["params"] if p.grad is not None))
 
     def _norm_sq_and_flag(self) -> Tensor:
-        """[sum of squares, inf/nan flag] of the current .grad tensors (one l2norm call per dtype)."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    by_dtype[p.grad.dtype].append(p.grad)
-        flag = torch.zeros(1, dtype=torch.float32, device=self._device)
-        sq = torch.zeros(1, dtype=torch.float32, device=self._device)
-        for grads in by_dtype.values():
-            total, _ = ops.l2norm(grads, found_inf=flag)
-            sq = sq + total.square()
-        return torch.cat([sq, flag])
+        """[sum of squares, inf/nan flag] of the current .grad tensors over the whole model: DTensor grads'
+        shards reduced over their meshes, each element counted once (distopt/dtensor.py)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        sq_and_flag, self._norm_reduction = dtensor.norm_sq_and_flag(self._norm_reduction, params, self._device)
+        return sq_and_flag
 
     @staticmethod
     def _hyper(group: dict[str, Any], grad_scale: Tensor | None) -> dict[str, Any]:
@@ -384,7 +382,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
             key = (p.dtype, g.dtype, "param" in state)
             if eager:
                 key += (int(state["step"].item()),)
-            buckets[key].append((p, g, state))
+            buckets[key].append(dtensor.local_entry(p, g, state))  # a DTensor param's: its local shards
         return buckets
 
     @staticmethod
