@@ -113,22 +113,28 @@ def local_param_and_grad(p: Tensor) -> tuple[Tensor, Tensor]:
     return p._local_tensor, grad._local_tensor
 
 
-def local_entry(p: Tensor, grad: Tensor, state: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """A general step's (param, local grad, state) with the param and its state tensors replaced by
-    their local shards, after checking that each state tensor is laid out as the param. The step
-    counter (a plain scalar) is the state's own tensor, so counting a step counts it in the state."""
-    if not isinstance(p, DTensor):
-        return p, grad, state
-    shards = {}
-    for name, value in state.items():
-        if name != "step" and isinstance(value, Tensor):
+def check_states(params: Sequence[Tensor], state: dict[Tensor, dict[str, Any]]) -> None:
+    """Raises unless each state tensor of a DTensor param in `params` is a DTensor laid out as it (the
+    step counter aside, a plain scalar)."""
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        for name, value in state.get(p, {}).items():
+            if name == "step" or not isinstance(value, Tensor):
+                continue
             if not (isinstance(value, DTensor) and _same_layout(value, p)):
                 where = _describe(value) if isinstance(value, DTensor) else f"a {type(value).__name__}"
                 raise RuntimeError(f"FusedAdam: state {name!r} ({tuple(value.shape)}, {where}) does not match its "
                                    f"DTensor param ({tuple(p.shape)}, {_describe(p)})")
-            value = value._local_tensor
-        shards[name] = value
-    return p._local_tensor, grad, shards
+
+
+def local_entry(p: Tensor, grad: Tensor, state: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """A general step's (param, local grad, state) with the param and its state tensors replaced by
+    their local shards (``check_states`` has checked their layouts). The step counter (a plain scalar)
+    is the state's own tensor, so counting a step counts it in the state."""
+    if not isinstance(p, DTensor):
+        return p, grad, state
+    return p._local_tensor, grad, {name: local(value) for name, value in state.items()}
 
 
 def placed_like(p: Tensor, value: Tensor, name: str) -> Tensor:

@@ -315,6 +315,7 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             work.append((group, params, [self._check_grad(p) for p in params]))
+            dtensor.check_states(params, self.state)
         return work
 
     def zero_grad(self, set_to_none: bool = True) -> None:

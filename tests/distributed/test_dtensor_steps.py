@@ -1,0 +1,317 @@
+"""FusedAdam's steps on DTensor params, on 2 gloo ranks (one launch for most checks, shared by the tests):
+
+- a steady-state ``step()`` (and ``clip_grad_norm``) performs no DTensor dispatch: a dispatch mode sees
+  the fused op on plain tensors and no op with a DTensor argument; the negative control: the same mode
+  sees DTensor ops in torch AdamW's step;
+- the steady state does no Python work per param on FSDP2 params: the same number of Python calls for
+  10 and for 300 params (negative control: the general step's count grows with the params);
+- the update is the one the kernel makes on whole tensors: bit for bit FusedAdam on the same model
+  unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP);
+- bad input is a clear error before anything changes, on every rank: a Partial gradient, a gradient
+  or state laid out unlike its param, a plain gradient for a DTensor param; DTensor params with
+  ``offload_optimizer`` or a Partial placement are refused at construction.
+``slow``: 2,000 steps keep the Python object count and RSS flat; a compiled step matches the eager one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distopt import FusedAdam
+
+import tolerances
+from dtensor_models import batch, fsdp, groups, mlp, tp
+from harness import run_ranks
+
+
+class Ops(TorchDispatchMode):
+    """Records the ops dispatched in this mode, and those with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.dtensor_ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        if any(isinstance(t, DTensor) for t in pytree.tree_leaves((args, kwargs))):
+            self.dtensor_ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def backward(model: nn.Module, step: int, index: int) -> None:
+    x, y = batch(step, index)
+    dtype = next(model.parameters()).dtype
+    nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype).expand(8, -1)).backward()
+
+
+def dispatch_counts(rank: int, world_size: int, layout) -> dict:
+    """Ops seen in the 4th step (and its clip) of FusedAdam, and in torch AdamW's 4th step."""
+    out = {}
+    for name, make_opt in (("ours", FusedAdam), ("torch", torch.optim.AdamW)):
+        model, index = layout(0, rank, world_size)
+        opt = make_opt(groups(model))
+        for step in range(4):
+            backward(model, step, index)
+            if step < 3:
+                opt.step()
+                opt.zero_grad()
+        with Ops() as seen:
+            if name == "ours":
+                opt.clip_grad_norm(1e-3)
+            opt.step()
+        out[name] = {"ops": seen.ops, "dtensor_ops": seen.dtensor_ops}
+    return out
+
+
+class Bag(nn.Module):
+    """`count` params of 6 elements, one FSDP2 group (3 elements per rank)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(6)) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.stack(list(self.params)) * x).square().mean()
+
+
+def python_calls_per_step(count: int, world_size: int, planned: bool) -> int:
+    """Python calls in a steady-state step of `count` FSDP2 params, whose grads are new every backward."""
+    model = Bag(count)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    opt = FusedAdam(model.parameters())
+    if not planned:
+        opt.register_step_pre_hook(lambda o, args, kwargs: setattr(o, "_plan", None))
+    for _ in range(4):
+        model(torch.ones(count, 6)).backward()
+        opt.step()
+        opt.zero_grad()
+    model(torch.ones(count, 6)).backward()
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def bitwise_like_unsharded(rank: int, world_size: int, layout, dtype: torch.dtype) -> list[str]:
+    """Steps FusedAdam on the sharded model and on its unsharded copy (given the gathered grads);
+    returns what differs, bit for bit."""
+    model, index = layout(0, rank, world_size, dtype) if layout is fsdp else layout(0, rank, world_size)
+    whole = mlp(0, dtype, width=5 if layout is fsdp else 8)
+    master = dtype != torch.float32
+    opt, whole_opt = FusedAdam(groups(model), master_weights=master), FusedAdam(groups(whole), master_weights=master)
+    differ = []
+    for step in range(4):
+        backward(model, step, index)
+        for p, q in zip(model.parameters(), whole.parameters()):
+            q.grad = p.grad.full_tensor()
+        opt.step()
+        whole_opt.step()
+        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+            pairs = [("param", p, q)] + [(k, v, whole_opt.state[q][k]) for k, v in opt.state[p].items() if k != "step"]
+            differ += [f"step {step} {name} {k}" for k, a, b in pairs if not torch.equal(a.full_tensor(), b)]
+        opt.zero_grad()
+        whole_opt.zero_grad()
+    return differ
+
+
+def local_bytes(model: nn.Module, opt: FusedAdam) -> list[torch.Tensor]:
+    return [p.to_local().clone() for p in model.parameters()] + [
+        (t.to_local() if isinstance(t, DTensor) else t).clone() for s in opt.state.values() for t in s.values()]
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """(message, whether every local byte stayed) for each bad input given to a planned FSDP2 step."""
+    def partial(p):
+        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Partial()], run_check=False)
+
+    def replicate(p):
+        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Replicate()], run_check=False)
+
+    def plain(p):
+        p.grad = torch.ones(p.shape)
+
+    def plain_state(p):
+        opt.state[p]["exp_avg"] = torch.zeros(p.shape)
+
+    def replicated_state(p):
+        opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].redistribute(p.device_mesh, [Replicate()])
+
+    out = {}
+    for spoil in (partial, replicate, plain, plain_state, replicated_state):
+        model, _ = fsdp(0, rank, world_size)
+        opt = FusedAdam(groups(model))
+        for step in range(3):
+            backward(model, step, rank)
+            if step < 2:
+                opt.step()
+                opt.zero_grad()
+        spoil(list(model.parameters())[-1])  # in the last group: all groups are checked before any step
+        before = local_bytes(model, opt)
+        try:
+            opt.step()
+            out[spoil.__name__] = (None, None)
+        except RuntimeError as e:
+            out[spoil.__name__] = (str(e), all(map(torch.equal, local_bytes(model, opt), before)))
+    model, _ = fsdp(0, rank, world_size)
+    for name, make in (("offload", lambda: FusedAdam(model.parameters(), offload_optimizer=True)),
+                       ("partial_param", lambda: FusedAdam([nn.Parameter(DTensor.from_local(
+                           torch.ones(3), next(model.parameters()).device_mesh, [Partial()]))]))):
+        try:
+            make()
+            out[name] = (None, None)
+        except ValueError as e:
+            out[name] = (str(e), True)
+    return out
+
+
+def checks(rank: int, world_size: int) -> dict:
+    return {
+        "dispatch": {name: dispatch_counts(rank, world_size, layout) for name, layout in (("fsdp", fsdp), ("tp", tp))},
+        "python_calls": {(count, planned): python_calls_per_step(count, world_size, planned)
+                         for count in (10, 300) for planned in (True, False)},
+        "bitwise": {f"{layout.__name__} {dtype}": bitwise_like_unsharded(rank, world_size, layout, dtype)
+                    for layout, dtype in ((fsdp, torch.float32), (fsdp, torch.bfloat16), (tp, torch.float32))},
+        "refusals": refusals(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(checks, 2, timeout=300)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_steady_state_step_does_no_dtensor_dispatch(results, layout):
+    for r in results:
+        ours, theirs = r["dispatch"][layout]["ours"], r["dispatch"][layout]["torch"]
+        assert ours["dtensor_ops"] == [], ours["dtensor_ops"]
+        assert "distopt.adam_step_.default" in ours["ops"] and "distopt.l2norm.default" in ours["ops"], ours["ops"]
+        assert len(theirs["dtensor_ops"]) > 0  # negative control: the mode sees torch's DTensor ops
+
+
+def test_steady_state_does_no_python_work_per_fsdp2_param(results):
+    for r in results:
+        calls = r["python_calls"]
+        assert calls[(10, True)] == calls[(300, True)], calls
+        assert calls[(300, False)] > calls[(10, False)] + 290, calls  # negative control: the general step
+
+
+def test_update_is_bitwise_the_unsharded_update(results):
+    for r in results:
+        assert r["bitwise"] and not any(r["bitwise"].values()), r["bitwise"]
+
+
+@pytest.mark.parametrize("case, match", [
+    ("partial", "Partial gradient"), ("replicate", "does not match its param"),
+    ("plain", "has a Tensor gradient"), ("plain_state", "state 'exp_avg'.*does not match"),
+    ("replicated_state", "state 'exp_avg_sq'.*does not match"), ("offload", "offload_optimizer"),
+    ("partial_param", "sharded or replicated"),
+])
+def test_bad_input_is_refused_before_anything_changes(results, case, match):
+    import re
+
+    messages = {r["refusals"][case][0] for r in results}
+    assert len(messages) == 1 and None not in messages, messages  # every rank raises, the same error
+    assert re.search(match, messages.pop())
+    assert all(r["refusals"][case][1] for r in results)  # nothing changed
+
+
+# ------------------------------------------------------------------------------------- slow
+
+LEAK_STEPS, LEAK_FROM = 2000, 500  # counted between step LEAK_FROM (warm) and the last
+MAX_OBJECTS, MAX_RSS = 10, 1.5 * 2**20  # growth bounds: a leak of one object or of 1 KiB a step exceeds them
+
+
+def footprint() -> tuple[int, int]:
+    """(Python objects tracked by gc, resident bytes) after a collection and giving freed heap back."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    return len(gc.get_objects()), rss
+
+
+def growth(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
+    """Footprint growth over LEAK_STEPS training iterations (GradScaler, clipping, FSDP2), and the
+    negative control: the same steps (without forward and backward) with one 1 KiB tensor kept each."""
+    model, _ = fsdp(0, rank, world_size)
+    opt = FusedAdam(groups(model))
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batch(0, rank)
+    out = {}
+    for step in range(LEAK_STEPS):
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        opt.unscale_grads(grad_scaler=scaler)
+        opt.clip_grad_norm(1.0)
+        scaler.step(opt)
+        scaler.update()
+        if step < LEAK_STEPS - 1:
+            opt.zero_grad()
+        if step + 1 == LEAK_FROM:
+            start = footprint()
+    end = footprint()
+    out["training"] = (end[0] - start[0], end[1] - start[1])
+    kept = []
+    opt.register_step_post_hook(lambda *args: kept.append(torch.empty(256)))
+    for step in range(LEAK_STEPS):
+        opt.step()
+        if step + 1 == LEAK_FROM:
+            start = footprint()
+    end = footprint()
+    out["leaking"] = (end[0] - start[0], end[1] - start[1])
+    return out
+
+
+@pytest.mark.slow
+def test_no_host_leak_over_2000_steps():
+    for r in run_ranks(growth, 2, timeout=600):
+        objects, rss = r["training"]
+        assert objects <= MAX_OBJECTS and rss <= MAX_RSS, r
+        objects, rss = r["leaking"]  # negative control
+        assert objects > MAX_OBJECTS and rss > MAX_RSS, r
+
+
+def compiled_like_eager(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(eager, compiled) local params and moments after 3 steps; "aot_eager", as tests/test_fused_adam_compile.py
+    (inductor compiles the same graph but takes minutes here)."""
+    runs = []
+    for compiled in (False, True):
+        model, _ = fsdp(0, rank, world_size)
+        opt = FusedAdam(groups(model))
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for i in range(3):
+            backward(model, i, rank)
+            step()
+            opt.zero_grad()
+        runs.append([p.to_local().clone() for p in model.parameters()] + [
+            t.to_local().clone() for s in opt.state.values() for k, t in s.items() if k != "step"])
+    return list(zip(*runs))
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager():
+    """Compiled, the kernel reads lr as a float32 tensor (eager: the float64 number), hence a tolerance."""
+    for pairs in run_ranks(compiled_like_eager, 2, timeout=600):
+        assert pairs
+        for eager, compiled in pairs:
+            tolerances.assert_close(compiled, eager, tolerances.OPTIMIZER)
