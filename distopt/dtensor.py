@@ -198,16 +198,23 @@ class NormReduction:
         """Whether this reduction was built for exactly these param objects, in this order."""
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
-    def local_sums(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(sum of squares, inf/nan flag) per class of the current gradients' local shards: one l2norm
-        call per class and gradient dtype. A DTensor gradient laid out unlike its param raises."""
+    def local_sums(self, device: torch.device) -> tuple[Tensor, Tensor, str | None]:
+        """(sum of squares, inf/nan flag) per class of the current gradients' local shards (one l2norm
+        call per class and gradient dtype), and the error of a DTensor gradient laid out unlike its param
+        (None if none). Such a rank still takes part in the reduction, with nan sums and the inf flag
+        set, so that the others do not wait for it and skip the step; it raises after."""
         lists: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        error = None
         for p, k in zip(self.params, self.class_of):
             g = p.grad
             if g is None:
                 continue
             if isinstance(p, DTensor):
-                check_grad(p, g)
+                try:
+                    check_grad(p, g)
+                except RuntimeError as e:
+                    error = error or str(e)
+                    continue
                 g = g._local_tensor
             lists.setdefault((k, g.dtype), []).append(g)
         sums = torch.zeros(self.classes, dtype=torch.float32, device=device)
@@ -215,7 +222,10 @@ class NormReduction:
         for (k, _), grads in lists.items():
             total, _ = ops.l2norm(grads, found_inf=flags[k:k + 1])
             sums[k] += total.square()
-        return sums, flags
+        if error is not None:
+            sums.fill_(float("nan"))
+            flags.fill_(1.0)
+        return sums, flags, error
 
     def reduce(self, sums: Tensor, flags: Tensor) -> Tensor:
         """[whole model's sum of squares, nonzero if any rank saw inf/nan] from per-class local values."""
@@ -236,4 +246,8 @@ def norm_sq_and_flag(reduction: NormReduction | None, params: Sequence[Tensor], 
     `reduction` is reused while it holds the same params (pass the last one returned)."""
     if reduction is None or not reduction.holds(params):
         reduction = NormReduction(params)
-    return reduction.reduce(*reduction.local_sums(device)), reduction
+    sums, flags, error = reduction.local_sums(device)
+    sq_and_flag = reduction.reduce(sums, flags)
+    if error is not None:
+        raise RuntimeError(error)
+    return sq_and_flag, reduction

@@ -78,6 +78,9 @@ class FusedAdam(GradScaling, torch.optim.Optimizer):
     ``exp_avg`` and ``exp_avg_sq`` (fp32, the param's shape and memory format), so state dicts move
     between this class and ``torch.optim.AdamW`` both ways.
 
+    DTensor params (FSDP2, HSDP, tensor parallelism) are updated on their local shards; their state is
+    DTensors laid out as they are, and norms count each element once over their meshes (distopt/dtensor.py).
+
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
     Without ``capturable`` that costs one read of the flag on the host (the same synchronisation the

@@ -6,10 +6,12 @@
 - the steady state does no Python work per param on FSDP2 params: the same number of Python calls for
   10 and for 300 params (negative control: the general step's count grows with the params);
 - the update is the one the kernel makes on whole tensors: bit for bit FusedAdam on the same model
-  unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP);
+  unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP; with a
+  plain param beside the DTensors in one group);
 - bad input is a clear error before anything changes, on every rank: a Partial gradient, a gradient
   or state laid out unlike its param, a plain gradient for a DTensor param; DTensor params with
-  ``offload_optimizer`` or a Partial placement are refused at construction.
+  ``offload_optimizer`` or a Partial placement are refused at construction; a bad gradient on one rank
+  only makes that rank raise in ``clip_grad_norm`` after the norm's collectives, not hang the others.
 ``slow``: 2,000 steps keep the Python object count and RSS flat; a compiled step matches the eager one.
 """
 
@@ -118,14 +120,21 @@ def bitwise_like_unsharded(rank: int, world_size: int, layout, dtype: torch.dtyp
     model, index = layout(0, rank, world_size, dtype) if layout is fsdp else layout(0, rank, world_size)
     whole = mlp(0, dtype, width=5 if layout is fsdp else 8)
     master = dtype != torch.float32
-    opt, whole_opt = FusedAdam(groups(model), master_weights=master), FusedAdam(groups(whole), master_weights=master)
+    # A plain param in the first group, beside the DTensors (the same on every rank).
+    extra, whole_extra = (nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(7)).to(dtype))
+                          for _ in range(2))
+    opt, whole_opt = (FusedAdam([{**g, "params": g["params"] + [e] * (i == 0)} for i, g in enumerate(groups(m))],
+                                master_weights=master) for m, e in ((model, extra), (whole, whole_extra)))
     differ = []
     for step in range(4):
         backward(model, step, index)
         for p, q in zip(model.parameters(), whole.parameters()):
             q.grad = p.grad.full_tensor()
+        extra.grad = torch.randn(3, generator=torch.Generator().manual_seed(step)).to(dtype)
+        whole_extra.grad = extra.grad.clone()
         opt.step()
         whole_opt.step()
+        differ += [f"step {step} plain param"] * (not torch.equal(extra, whole_extra))
         for (name, p), q in zip(model.named_parameters(), whole.parameters()):
             pairs = [("param", p, q)] + [(k, v, whole_opt.state[q][k]) for k, v in opt.state[p].items() if k != "step"]
             differ += [f"step {step} {name} {k}" for k, a, b in pairs if not torch.equal(a.full_tensor(), b)]
@@ -184,6 +193,23 @@ def refusals(rank: int, world_size: int) -> dict:
     return out
 
 
+def one_rank_bad_grad_in_clip(rank: int, world_size: int) -> tuple[str, str]:
+    """clip_grad_norm with a Partial gradient on rank 0 only: (what rank 0 got, what the others got).
+    Every rank completes the norm's collectives; rank 0 raises, the others get a nan norm and set the
+    inf flag (so a scaler would skip the step)."""
+    model, _ = fsdp(0, rank, world_size)
+    opt = FusedAdam(groups(model))
+    backward(model, 0, rank)
+    if rank == 0:
+        p = next(model.parameters())
+        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Partial()], run_check=False)
+    try:
+        norm = opt.clip_grad_norm(1.0)
+    except RuntimeError as e:
+        return "raised", str(e)
+    return "norm", f"{float(norm)} found_inf {float(opt._found_inf)}"
+
+
 def checks(rank: int, world_size: int) -> dict:
     return {
         "dispatch": {name: dispatch_counts(rank, world_size, layout) for name, layout in (("fsdp", fsdp), ("tp", tp))},
@@ -192,6 +218,7 @@ def checks(rank: int, world_size: int) -> dict:
         "bitwise": {f"{layout.__name__} {dtype}": bitwise_like_unsharded(rank, world_size, layout, dtype)
                     for layout, dtype in ((fsdp, torch.float32), (fsdp, torch.bfloat16), (tp, torch.float32))},
         "refusals": refusals(rank, world_size),
+        "one_rank_bad_grad_in_clip": one_rank_bad_grad_in_clip(rank, world_size),
     }
 
 
@@ -315,3 +342,10 @@ def test_compiled_step_matches_eager():
         assert pairs
         for eager, compiled in pairs:
             tolerances.assert_close(compiled, eager, tolerances.OPTIMIZER)
+
+
+def test_a_bad_grad_on_one_rank_raises_there_without_leaving_the_others_waiting(results):
+    assert results[0]["one_rank_bad_grad_in_clip"][0] == "raised", results[0]["one_rank_bad_grad_in_clip"]
+    assert "Partial" in results[0]["one_rank_bad_grad_in_clip"][1]
+    for r in results[1:]:
+        assert r["one_rank_bad_grad_in_clip"] == ("norm", "nan found_inf 1.0"), r["one_rank_bad_grad_in_clip"]
