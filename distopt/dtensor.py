@@ -108,6 +108,9 @@ def local_param_and_grad(p: Tensor) -> tuple[Tensor, Tensor]:
     the grad is laid out as the param."""
     grad = p.grad
     if not isinstance(p, DTensor):
+        if isinstance(grad, DTensor):
+            raise RuntimeError(f"FusedAdam: a plain param of shape {tuple(p.shape)} has a DTensor gradient "
+                               f"({_describe(grad)})")
         return p, grad
     check_grad(p, grad)
     return p._local_tensor, grad._local_tensor

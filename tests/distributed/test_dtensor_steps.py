@@ -7,7 +7,8 @@
   10 and for 300 params (negative control: the general step's count grows with the params);
 - the update is the one the kernel makes on whole tensors: bit for bit FusedAdam on the same model
   unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP; with a
-  plain param beside the DTensors in one group);
+  plain param beside the DTensors in one group), and the unsharded optimizer's state dict loads into
+  the sharded one, each rank taking its shards;
 - bad input is a clear error before anything changes, on every rank: a Partial gradient, a gradient
   or state laid out unlike its param, a plain gradient for a DTensor param; DTensor params with
   ``offload_optimizer`` or a Partial placement are refused at construction; a bad gradient on one rank
@@ -140,6 +141,13 @@ def bitwise_like_unsharded(rank: int, world_size: int, layout, dtype: torch.dtyp
             differ += [f"step {step} {name} {k}" for k, a, b in pairs if not torch.equal(a.full_tensor(), b)]
         opt.zero_grad()
         whole_opt.zero_grad()
+    # The unsharded optimizer's state dict (plain tensors) loads into a sharded one: each rank takes its shards.
+    loaded = FusedAdam([{**g, "params": g["params"] + [extra] * (i == 0)} for i, g in enumerate(groups(model))],
+                       master_weights=master)
+    loaded.load_state_dict(whole_opt.state_dict())
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        differ += [f"loaded {name} {k}" for k, v in loaded.state[p].items()
+                   if not torch.equal(v.full_tensor() if k != "step" else v, whole_opt.state[q][k])]
     return differ
 
 
@@ -159,6 +167,10 @@ def refusals(rank: int, world_size: int) -> dict:
     def plain(p):
         p.grad = torch.ones(p.shape)
 
+    def dtensor_grad_for_plain(p):
+        extra.grad = p.grad
+
+
     def plain_state(p):
         opt.state[p]["exp_avg"] = torch.zeros(p.shape)
 
@@ -166,9 +178,11 @@ def refusals(rank: int, world_size: int) -> dict:
         opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].redistribute(p.device_mesh, [Replicate()])
 
     out = {}
-    for spoil in (partial, replicate, plain, plain_state, replicated_state):
+    for spoil in (partial, replicate, plain, plain_state, replicated_state, dtensor_grad_for_plain):
         model, _ = fsdp(0, rank, world_size)
-        opt = FusedAdam(groups(model))
+        extra = nn.Parameter(torch.zeros(1))  # a plain param, in the first group (stepped with a zero grad)
+        extra.grad = torch.zeros(1)
+        opt = FusedAdam([{**g, "params": g["params"] + [extra] * (i == 0)} for i, g in enumerate(groups(model))])
         for step in range(3):
             backward(model, step, rank)
             if step < 2:
@@ -252,6 +266,7 @@ def test_update_is_bitwise_the_unsharded_update(results):
     ("partial", "Partial gradient"), ("replicate", "does not match its param"),
     ("plain", "has a Tensor gradient"), ("plain_state", "state 'exp_avg'.*does not match"),
     ("replicated_state", "state 'exp_avg_sq'.*does not match"), ("offload", "offload_optimizer"),
+    ("dtensor_grad_for_plain", "plain param .* has a DTensor gradient"),
     ("partial_param", "sharded or replicated"),
 ])
 def test_bad_input_is_refused_before_anything_changes(results, case, match):
