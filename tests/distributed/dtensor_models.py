@@ -39,9 +39,10 @@ def _tensor_parallel(model: nn.Sequential, mesh) -> None:
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def fsdp(seed: int, rank: int, world_size: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, int]:
-    model = mlp(seed, dtype)
-    _fully_shard_layers(model, init_device_mesh("cpu", (world_size,)))
+def fsdp(seed: int, rank: int, world_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+         ) -> tuple[nn.Module, int]:
+    model = mlp(seed, dtype).to(device)
+    _fully_shard_layers(model, init_device_mesh(device, (world_size,)))
     return model, rank
 
 
