@@ -33,10 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
 from ._validation import is_dense
+
+try:  # private: FSDP over a tensor-parallel dimension shards with it
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - a torch without it cannot make such layouts
+    _StridedShard = ()
 
 
 def is_dtensor(t: Any) -> bool:
