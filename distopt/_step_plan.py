@@ -41,6 +41,8 @@ _stride = operator.methodcaller("stride")
 _is_none = functools.partial(operator.is_, None)
 _local = operator.attrgetter("_local_tensor")  # a DTensor's local shard
 _spec = operator.attrgetter("_spec")
+_mesh = operator.attrgetter("mesh")  # of a spec
+_placements = operator.attrgetter("placements")
 
 
 @dataclass
@@ -181,13 +183,19 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
 class ShardedCall(Call):
     """A call over DTensor params (distopt/dtensor.py): the kernel's lists hold the local shards of the
     params and their state. ``held`` keeps what the state holds (the DTensors, and the plain step
-    counters), which the identity checks compare; each step checks that the params still wrap the
-    planned shards and that the grads have the params' specs (FSDP2 gives them the param's own spec
-    object: an identity check; otherwise mesh and placements are compared), and unwraps the grads."""
+    counters), which the identity checks compare. Each step checks that the params still wrap the
+    planned shards and that the grads are laid out as the params (FSDP2 gives a grad the param's own
+    spec; tensor parallelism a new spec, compared by mesh, placements and shape, with C-level
+    comparisons: meshes by identity with the mesh objects last seen, which DTensor's sharding cache may
+    share between equal meshes, compared by value once when they change), and unwraps the grads."""
 
     held: list[tuple[str, list[Tensor]]] = field(default_factory=list)
     param_shards: list[Tensor] = field(default_factory=list)
     specs: list[Any] = field(default_factory=list)
+    meshes: list[Any] = field(default_factory=list)
+    placements: list[tuple] = field(default_factory=list)
+    global_shapes: list[torch.Size] = field(default_factory=list)
+    grad_meshes: list[Any] = field(default_factory=list)  # the grads' last mesh objects, each equal to its param's
 
     @classmethod
     def of(cls, call: Call) -> ShardedCall:
@@ -199,6 +207,10 @@ class ShardedCall(Call):
         sharded.shapes = list(map(_shape, sharded.param_shards))
         sharded.strides = list(map(_stride, sharded.param_shards))
         sharded.specs = list(map(_spec, call.model_params))
+        sharded.meshes = list(map(_mesh, sharded.specs))
+        sharded.placements = list(map(_placements, sharded.specs))
+        sharded.global_shapes = list(map(_shape, call.model_params))
+        sharded.grad_meshes = sharded.meshes
         return sharded
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
@@ -212,13 +224,16 @@ class ShardedCall(Call):
             return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
         grads = list(map(_grad, self.model_params))
         try:
-            same_specs = all(map(operator.is_, map(_spec, grads), self.specs))
+            specs = list(map(_spec, grads))
         except AttributeError:
             return None  # a grad is missing, or not a DTensor
-        if not same_specs:
-            try:
-                for p, g in zip(self.model_params, grads):
-                    dtensor.check_grad(p, g)
-            except RuntimeError:
-                return None  # the general step raises the precise error
+        if not all(map(operator.is_, specs, self.specs)):
+            meshes = list(map(_mesh, specs))
+            if not all(map(operator.is_, meshes, self.grad_meshes)):
+                if not all(map(operator.eq, meshes, self.meshes)):
+                    return None  # the general step checks each grad and raises the precise error
+                self.grad_meshes = meshes
+            if not (all(map(operator.eq, map(_placements, specs), self.placements))
+                    and list(map(_shape, grads)) == self.global_shapes):
+                return None
         return self.checked(list(map(_local, grads)), device)

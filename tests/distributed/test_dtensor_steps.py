@@ -3,8 +3,9 @@
 - a steady-state ``step()`` (and ``clip_grad_norm``) performs no DTensor dispatch: a dispatch mode sees
   the fused op on plain tensors and no op with a DTensor argument; the negative control: the same mode
   sees DTensor ops in torch AdamW's step;
-- the steady state does no Python work per param on FSDP2 params: the same number of Python calls for
-  10 and for 300 params (negative control: the general step's count grows with the params);
+- the steady state does no Python work per param: the same number of Python calls for 10 and for 300
+  params, with FSDP2's grads and with grads of new specs each step, as tensor parallelism makes them
+  (negative control: the general step's count grows with the params);
 - the update is the one the kernel makes on whole tensors: bit for bit FusedAdam on the same model
   unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP; with a
   plain param beside the DTensors in one group), and the unsharded optimizer's state dict loads into
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,18 +90,34 @@ class Bag(nn.Module):
         return (torch.stack(list(self.params)) * x).square().mean()
 
 
-def python_calls_per_step(count: int, world_size: int, planned: bool) -> int:
-    """Python calls in a steady-state step of `count` FSDP2 params, whose grads are new every backward."""
-    model = Bag(count)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    opt = FusedAdam(model.parameters())
+def python_calls_per_step(count: int, world_size: int, planned: bool, kind: str) -> int:
+    """Python calls in a steady-state step of `count` DTensor params whose grads are new every step:
+    ``fsdp2``: a fully_shard model's (a grad has its param's spec); ``new_specs``: params sharded and
+    replicated over a 1-D mesh, given grads with specs of their own each step, as tensor parallelism's."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    if kind == "fsdp2":
+        model = Bag(count)
+        fully_shard(model, mesh=mesh)
+        params = list(model.parameters())
+
+        def new_grads():
+            model(torch.ones(count, 6)).backward()
+    else:
+        params = [nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0) if i % 2 else Replicate()]))
+                  for i in range(count)]
+
+        def new_grads():
+            for p in params:
+                p.grad = DTensor.from_local(torch.randn(p.to_local().shape), mesh, p.placements, shape=p.shape,
+                                            stride=p.stride())
+    opt = FusedAdam(params)
     if not planned:
         opt.register_step_pre_hook(lambda o, args, kwargs: setattr(o, "_plan", None))
     for _ in range(4):
-        model(torch.ones(count, 6)).backward()
+        new_grads()
         opt.step()
         opt.zero_grad()
-    model(torch.ones(count, 6)).backward()
+    new_grads()
     calls = 0
 
     def profile(frame, event, arg):
@@ -227,8 +244,8 @@ def one_rank_bad_grad_in_clip(rank: int, world_size: int) -> tuple[str, str]:
 def checks(rank: int, world_size: int) -> dict:
     return {
         "dispatch": {name: dispatch_counts(rank, world_size, layout) for name, layout in (("fsdp", fsdp), ("tp", tp))},
-        "python_calls": {(count, planned): python_calls_per_step(count, world_size, planned)
-                         for count in (10, 300) for planned in (True, False)},
+        "python_calls": {(kind, count, planned): python_calls_per_step(count, world_size, planned, kind)
+                         for kind in ("fsdp2", "new_specs") for count in (10, 300) for planned in (True, False)},
         "bitwise": {f"{layout.__name__} {dtype}": bitwise_like_unsharded(rank, world_size, layout, dtype)
                     for layout, dtype in ((fsdp, torch.float32), (fsdp, torch.bfloat16), (tp, torch.float32))},
         "refusals": refusals(rank, world_size),
@@ -250,11 +267,12 @@ def test_steady_state_step_does_no_dtensor_dispatch(results, layout):
         assert len(theirs["dtensor_ops"]) > 0  # negative control: the mode sees torch's DTensor ops
 
 
-def test_steady_state_does_no_python_work_per_fsdp2_param(results):
+@pytest.mark.parametrize("kind", ["fsdp2", "new_specs"])
+def test_steady_state_does_no_python_work_per_param(results, kind):
     for r in results:
         calls = r["python_calls"]
-        assert calls[(10, True)] == calls[(300, True)], calls
-        assert calls[(300, False)] > calls[(10, False)] + 290, calls  # negative control: the general step
+        assert calls[(kind, 10, True)] == calls[(kind, 300, True)], calls
+        assert calls[(kind, 300, False)] > calls[(kind, 10, False)] + 290, calls  # negative control: the general step
 
 
 def test_update_is_bitwise_the_unsharded_update(results):
