@@ -16,6 +16,8 @@ each repetition's back-to-back pair, distopt's time over torch's):
   fsdp2_foreach the same run: FusedAdam vs AdamW(foreach=True)
   fsdp2_local   the same run: FusedAdam on the FSDP2 model vs FusedAdam on plain params of the local
                 shards' sizes, given the same grads (what DTensor params cost on top of plain ones)
+  fsdp2_kept    then FusedAdam vs AdamW(fused=True) with the grads kept from step to step, as the
+                fused_* rows time it (FusedAdam's plan then skips checking new grads)
 After timing, each pair's params are compared (they took the same steps from the same start), so a
 fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
 
@@ -75,10 +77,11 @@ CASES = (
     Case("fsdp2_fused", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
     Case("fsdp2_foreach", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
     Case("fsdp2_local", "step", 1_000, 16, "FusedAdam FSDP2", "FusedAdam local-size"),
+    Case("fsdp2_kept", "step (kept)", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
 )
-FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local")  # one run times all three
+FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local", "fsdp2_kept")  # one run times them all
 TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1,  # ratio <= target
-           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0}
+           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15}
 CONFIGS = {
     "full": Config(warmup=5, reps=30, cases=CASES),
     "quick": Config(
@@ -312,6 +315,21 @@ def _fsdp2_rank(rank: int, world_size: int, case: Case, cfg: Config) -> tuple[di
     times = alternate({name: run(name) for name in opts}, cfg.warmup, cfg.reps)
     whole = {name: [p.full_tensor() for p in m.parameters()] for name, m in models.items()}
     diffs = {f"fsdp2_{name}": max_diff(whole["distopt"], whole[name]) for name in ("fused", "foreach", "local")}
+
+    def kept(name: str) -> Callable[[], float]:
+        def step() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            opts[name].step()
+            return (time.perf_counter() - start) * 1e3
+
+        return step
+
+    for name in ("distopt", "fused"):  # one backward; every step then reuses its grads
+        models[name](batch(case, rank, 0)).backward()
+    times.update(("kept_" + k, v) for k, v in alternate({n: kept(n) for n in ("distopt", "fused")}, cfg.warmup,
+                                                         cfg.reps).items())
+    diffs["fsdp2_kept"] = max_diff(*([p.full_tensor() for p in models[n].parameters()] for n in ("distopt", "fused")))
     return times, diffs, whole["fused"]
 
 
@@ -321,9 +339,10 @@ def fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list[Row]
     from harness import run_ranks
 
     times, diffs, reference = run_ranks(_fsdp2_rank, 2, (cases[0], cfg), timeout=timeout)[0]
-    against = {"fsdp2_fused": "fused", "fsdp2_foreach": "foreach", "fsdp2_local": "local"}
-    return [make_row(c, {"distopt": times["distopt"], "torch": times[against[c.name]]}, diffs[c.name], reference)
-            for c in cases]
+    pairs = {"fsdp2_fused": ("distopt", "fused"), "fsdp2_foreach": ("distopt", "foreach"),
+             "fsdp2_local": ("distopt", "local"), "fsdp2_kept": ("kept_distopt", "kept_fused")}
+    return [make_row(c, {"distopt": times[pairs[c.name][0]], "torch": times[pairs[c.name][1]]}, diffs[c.name],
+                     reference) for c in cases]
 
 
 # ------------------------------------------------------------------------------------------ output

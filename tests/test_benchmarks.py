@@ -74,7 +74,8 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
 
 
 BENCH_HOST = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
-HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local"}
+HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local",
+              "fsdp2_kept"}
 
 
 def test_bench_host_quick(tmp_path: Path) -> None:
