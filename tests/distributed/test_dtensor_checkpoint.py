@@ -5,8 +5,9 @@ Every rank sees the same batch, so the gradients, and hence training, do not dep
 (FSDP2 averages identical values exactly): a run saved on 2 ranks with ``torch.distributed.checkpoint``
 and loaded on 1 and on 4 continues bit for bit as the uninterrupted 2-rank run, params and state alike.
 On 2 ranks the same holds for torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` (sharded
-and full state dicts) and for ``opt.state_dict()``/``opt.load_state_dict()``; a FusedAdam state dict
-loads into torch.optim.AdamW with the same values. Negative control: the model loaded without the
+and full state dicts) and for ``opt.state_dict()``/``opt.load_state_dict()``, also with the state
+saved in other placements (replicated); a FusedAdam state dict loads into torch.optim.AdamW with the
+same values. Negative control: the model loaded without the
 optimizer state is told apart.
 """
 
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from distopt import FusedAdam
 
@@ -105,7 +106,7 @@ def save_and_continue(rank: int, world_size: int, path: str) -> list[torch.Tenso
     train(pairs, SAVED_AT, MORE)
     expected = whole(pairs)
 
-    for how in ("sharded", "full", "optimizer.state_dict"):
+    for how in ("sharded", "full", "optimizer.state_dict", "replicated"):
         fresh = make(1, rank, world_size)
         if how == "sharded":
             load(fresh, sharded)
@@ -113,6 +114,10 @@ def save_and_continue(rank: int, world_size: int, path: str) -> list[torch.Tenso
             load(fresh, full_sds, options=FULL)
         else:
             for (model, opt), (msd, osd) in zip(fresh, own):
+                if how == "replicated":  # other placements on the param's mesh: redistributed as they load
+                    osd = {**osd, "state": {k: {n: v.redistribute(v.device_mesh, [Replicate()])
+                                                if isinstance(v, DTensor) else v for n, v in s.items()}
+                                            for k, s in osd["state"].items()}}
                 model.load_state_dict(msd)
                 opt.load_state_dict(osd)
         train(fresh, SAVED_AT, MORE)
