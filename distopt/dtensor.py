@@ -191,14 +191,14 @@ class NormReduction:
         keys: dict[tuple, int] = {}
         self.class_of = [keys.setdefault(_reduction_groups(p), len(keys)) for p in self.params]
         self.classes = len(keys)
-        # Where to reduce which entry of [sums..., flags...]: every process group, in order of appearance.
-        where: dict[Any, list[int]] = {}
+        # Where to reduce which entry of [sums..., flags...]: every process group, in order of appearance,
+        # known by its ranks (two meshes' groups of the same ranks are one: all its members see them alike).
+        where: dict[tuple[int, ...], tuple[Any, list[int]]] = {}
         for k, (sum_groups, flag_groups) in enumerate(keys):
-            for group in sum_groups:
-                where.setdefault(group, []).append(k)
-            for group in flag_groups:
-                where.setdefault(group, []).append(self.classes + k)
-        self._where = list(where.items())
+            for groups, entry in ((sum_groups, k), (flag_groups, self.classes + k)):
+                for group in groups:
+                    where.setdefault(tuple(dist.get_process_group_ranks(group)), (group, []))[1].append(entry)
+        self._where = list(where.values())
         self._indices: dict[torch.device, list[Tensor]] = {}
 
     def holds(self, params: Sequence[Tensor]) -> bool:

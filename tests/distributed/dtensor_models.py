@@ -5,7 +5,7 @@ alone, and TP and FSDP layers on two different meshes. The layers' rows (5 or 8,
 shards and zero-element local shards on 2 and 4 ranks.
 
 Each builder returns (model, batch index): ranks with the same batch index must see the same batch
-(the tensor-parallel ranks of a data-parallel replica); `same_batch` gives every rank index 0.
+(the tensor-parallel ranks of a data-parallel replica); ``batch(step, index)`` makes it.
 """
 
 from __future__ import annotations
