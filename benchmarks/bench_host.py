@@ -10,6 +10,14 @@ each repetition's back-to-back pair, distopt's time over torch's):
                 iteration (forward, backward, step, zero_grad), 1,000 x 4,096
   dfa_ws2       DistributedFusedAdam at world size 2 (gloo, forked ranks) vs DDP + AdamW(fused=True):
                 backward + step, 10,000 x 16 (rank 0's times, both ranks starting each run together)
+  fsdp2_fused   FusedAdam.step vs AdamW(fused=True).step on the same FSDP2 model (fully_shard, 2 forked
+                gloo ranks): 1,000 params x 16 elements, 8 per rank; a backward before each step makes
+                new DTensor grads, as in training (rank 0's step times)
+  fsdp2_foreach the same run: FusedAdam vs AdamW(foreach=True)
+  fsdp2_local   the same run: FusedAdam on the FSDP2 model vs FusedAdam on plain params of the local
+                shards' sizes, given the same grads (what DTensor params cost on top of plain ones)
+  fsdp2_kept    then FusedAdam vs AdamW(fused=True) with the grads kept from step to step, as the
+                fused_* rows time it (FusedAdam's plan then skips checking new grads)
 After timing, each pair's params are compared (they took the same steps from the same start), so a
 fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
 
@@ -66,8 +74,14 @@ CASES = (
     Case("fused_medium", "step", 1_000, 4_096, "FusedAdam", "AdamW(fused=True)"),
     Case("dfa_ws1", "iteration", 1_000, 4_096, "DistributedFusedAdam ws1", "FusedAdam"),
     Case("dfa_ws2", "backward+step", 10_000, 16, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
+    Case("fsdp2_fused", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
+    Case("fsdp2_foreach", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
+    Case("fsdp2_local", "step", 1_000, 16, "FusedAdam FSDP2", "FusedAdam local-size"),
+    Case("fsdp2_kept", "step (kept)", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
 )
-TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1}  # ratio <= target
+FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local", "fsdp2_kept")  # one run times them all
+TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1,  # ratio <= target
+           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15}
 CONFIGS = {
     "full": Config(warmup=5, reps=30, cases=CASES),
     "quick": Config(
@@ -251,6 +265,86 @@ def dfa_ws2_case(case: Case, cfg: Config, timeout: float) -> Row:
     return make_row(case, times, diff, reference)
 
 
+class ShardedBag(ParamBag):
+    """ParamBag read through the module (FSDP2 swaps its params for DTensors and back)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (torch.stack(list(self.params)) * x).square().mean()
+
+
+def _fsdp2_rank(rank: int, world_size: int, case: Case, cfg: Config) -> tuple[dict[str, list[float]], dict, list]:
+    """One rank of the fsdp2 rows: FusedAdam, AdamW(fused) and AdamW(foreach), each on its own FSDP2 copy
+    of the model, and FusedAdam on plain params that alias a fourth copy's local shards (given that
+    copy's grads as new plain tensors, so it trains exactly as the first). Each run: a backward
+    (untimed: new grads, as in training), then the step, timed, both ranks starting together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    makers = {"distopt": lambda ps: FusedAdam(ps, lr=LR, weight_decay=WEIGHT_DECAY),
+              "fused": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, fused=True),
+              "foreach": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True),
+              "local": lambda ps: FusedAdam(ps, lr=LR, weight_decay=WEIGHT_DECAY)}
+    models, opts = {}, {}
+    with torch.no_grad():
+        for name, make in makers.items():
+            models[name] = ShardedBag(case.count, case.numel)
+            fully_shard(models[name], mesh=mesh)
+            params = list(models[name].parameters())
+            opts[name] = make([nn.Parameter(p.to_local()) for p in params] if name == "local" else params)
+    local = opts["local"].param_groups[0]["params"]  # views of models["local"]'s shards
+    count = dict.fromkeys(opts, 0)
+
+    def run(name: str) -> Callable[[], float]:
+        def step() -> float:
+            models[name](batch(case, rank, count[name] % 4)).backward()
+            if name == "local":
+                for p, q in zip(local, models[name].parameters()):
+                    p.grad = q.grad.to_local().clone()
+                models[name].zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            opts[name].step()
+            ms = (time.perf_counter() - start) * 1e3
+            opts[name].zero_grad()
+            count[name] += 1
+            return ms
+
+        return step
+
+    times = alternate({name: run(name) for name in opts}, cfg.warmup, cfg.reps)
+    whole = {name: [p.full_tensor() for p in m.parameters()] for name, m in models.items()}
+    diffs = {f"fsdp2_{name}": max_diff(whole["distopt"], whole[name]) for name in ("fused", "foreach", "local")}
+
+    def kept(name: str) -> Callable[[], float]:
+        def step() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            opts[name].step()
+            return (time.perf_counter() - start) * 1e3
+
+        return step
+
+    for name in ("distopt", "fused"):  # one backward; every step then reuses its grads
+        models[name](batch(case, rank, 0)).backward()
+    times.update(("kept_" + k, v) for k, v in alternate({n: kept(n) for n in ("distopt", "fused")}, cfg.warmup,
+                                                         cfg.reps).items())
+    diffs["fsdp2_kept"] = max_diff(*([p.full_tensor() for p in models[n].parameters()] for n in ("distopt", "fused")))
+    return times, diffs, whole["fused"]
+
+
+def fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list[Row]:
+    """The fsdp2 rows (those in `cases`) from one run on 2 forked ranks; times are rank 0's."""
+    sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
+    from harness import run_ranks
+
+    times, diffs, reference = run_ranks(_fsdp2_rank, 2, (cases[0], cfg), timeout=timeout)[0]
+    pairs = {"fsdp2_fused": ("distopt", "fused"), "fsdp2_foreach": ("distopt", "foreach"),
+             "fsdp2_local": ("distopt", "local"), "fsdp2_kept": ("kept_distopt", "kept_fused")}
+    return [make_row(c, {"distopt": times[pairs[c.name][0]], "torch": times[pairs[c.name][1]]}, diffs[c.name],
+                     reference) for c in cases]
+
+
 # ------------------------------------------------------------------------------------------ output
 
 _COLUMNS = (
@@ -317,10 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     rows: list[Row] = []
-    for case in cfg.cases:
-        if args.cases and case.name not in args.cases:
-            continue
-        if case.name == "dfa_ws2":
+    chosen = [case for case in cfg.cases if not args.cases or case.name in args.cases]
+    for case in chosen:
+        if case.name in FSDP2_CASES:
+            if case.name == next(c.name for c in chosen if c.name in FSDP2_CASES):
+                rows += fsdp2_cases([c for c in chosen if c.name in FSDP2_CASES], cfg, args.timeout)
+        elif case.name == "dfa_ws2":
             rows.append(dfa_ws2_case(case, cfg, args.timeout))
         elif case.name == "dfa_ws1":
             rows.append(dfa_ws1_case(case, cfg))

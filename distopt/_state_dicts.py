@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
+from .dtensor import placed_like
 
 RESTORED = ("betas", "eps", "weight_decay")
 
@@ -117,7 +118,7 @@ def convert_param_state(p: Tensor, saved: Any, *, master: bool, new: Callable[[T
             continue
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"loaded {name} has shape {tuple(value.shape)}, its param {tuple(p.shape)}")
-        out[name] = new(p).copy_(value)
+        out[name] = new(p).copy_(placed_like(p, value, name))  # a DTensor param's: on its mesh and placements
     if master and "param" not in out:
         out["param"] = new(p).copy_(p.detach())
     step = saved["step"]

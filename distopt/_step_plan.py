@@ -14,6 +14,9 @@ optimizer's structure changes: param groups added or their param lists resized, 
 replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout,
 a param that gained or lost its gradient, a replaced tensor) takes the general way for that step,
 which raises the precise errors and builds a new plan.
+
+DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
+the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import dtensor
 from ._kernel_views import layout_strides, needs_view
 
 _grad = operator.attrgetter("grad")
@@ -36,6 +40,10 @@ _layout = operator.attrgetter("layout")
 _device = operator.attrgetter("device")
 _stride = operator.methodcaller("stride")
 _is_none = functools.partial(operator.is_, None)
+_local = operator.attrgetter("_local_tensor")  # a DTensor's local shard
+_spec = operator.attrgetter("_spec")
+_mesh = operator.attrgetter("mesh")  # of a spec
+_placements = operator.attrgetter("placements")
 
 
 @dataclass
@@ -66,9 +74,16 @@ class Call:
         lists = [("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
         return lists + ([("param", self.params)] if self.param_outs else [])
 
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the planned params now."""
+        return set(map(_dtype, self.model_params))
+
     def grads(self, device: torch.device) -> list[Tensor] | None:
         """The current grads if they are what the plan expects, else None."""
-        grads = list(map(_grad, self.model_params))
+        return self.checked(list(map(_grad, self.model_params)), device)
+
+    def checked(self, grads: list[Tensor], device: torch.device) -> list[Tensor] | None:
+        """`grads` (what the kernel reads) if they are what the plan expects, else None."""
         if len(grads) == len(self.last_grads) and all(map(operator.is_, grads, self.last_grads)):
             return grads  # the same tensors as last step (accumulated in place, or never zeroed)
         if any(map(_is_none, grads)):
@@ -106,11 +121,14 @@ class StepPlan:
             return None
         out = []
         for call in self.calls:
-            if set(map(_dtype, call.model_params)) != {call.param_dtype}:
+            if call.dtypes() != {call.param_dtype}:
                 return None
-            for name, planned in call.state_lists():
-                if not all(map(operator.is_, map(operator.methodcaller("get", name), call.entries), planned)):
-                    return None
+            try:  # (itemgetter: a third of dict.get's time; a key gone raises KeyError)
+                for name, planned in call.state_lists():
+                    if not all(map(operator.is_, map(operator.itemgetter(name), call.entries), planned)):
+                        return None
+            except KeyError:
+                return None
             storage = call.step_storage
             if storage is not None and not bool((storage == storage[0]).all()):
                 return None  # a step count was changed in place: the general step takes each as it is
@@ -146,7 +164,8 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             if not s:
                 return None
             master, viewed = "param" in s, needs_view(p)
-            key_ = (index, p.dtype, g.dtype, master, viewed) + ((float(s["step"]),) if eager else ())
+            key_ = (index, p.dtype, g.dtype, master, viewed, dtensor.is_dtensor(p))
+            key_ += (float(s["step"]),) if eager else ()
             call = calls.get(key_)
             if call is None:
                 call = calls[key_] = Call(index, [], [], [], [], [], [], p.dtype, g.dtype, [], [], viewed)
@@ -166,4 +185,74 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-    return StepPlan(key, list(calls.values()), unplanned, params, list(state.values()))
+    planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
+    return StepPlan(key, planned, unplanned, params, list(state.values()))
+
+
+@dataclass
+class ShardedCall(Call):
+    """A call over DTensor params (distopt/dtensor.py): the kernel's lists hold the local shards of the
+    params and their state. ``held`` keeps what the state holds (the DTensors, and the plain step
+    counters), which the identity checks compare. Each step checks that the params still wrap the
+    planned shards and that the grads are laid out as the params (FSDP2 gives a grad the param's own
+    spec; tensor parallelism a new spec, compared by mesh, placements and shape, with C-level
+    comparisons: meshes by identity with the mesh objects last seen, which DTensor's sharding cache may
+    share between equal meshes, compared by value once when they change), and unwraps the grads."""
+
+    held: list[tuple[str, list[Tensor]]] = field(default_factory=list)
+    param_shards: list[Tensor] = field(default_factory=list)
+    specs: list[Any] = field(default_factory=list)
+    meshes: list[Any] = field(default_factory=list)
+    placements: list[tuple] = field(default_factory=list)
+    global_shapes: list[torch.Size] = field(default_factory=list)
+    grad_meshes: list[Any] = field(default_factory=list)  # the grads' last mesh objects, each equal to its param's
+
+    @classmethod
+    def of(cls, call: Call) -> ShardedCall:
+        sharded = cls(**{f.name: getattr(call, f.name) for f in fields(Call)})
+        sharded.held = call.state_lists()
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs"):
+            setattr(sharded, name, [dtensor.local(t) for t in getattr(call, name)])
+        sharded.param_shards = list(map(_local, call.model_params))
+        sharded.shapes = list(map(_shape, sharded.param_shards))
+        sharded.strides = list(map(_stride, sharded.param_shards))
+        sharded.specs = list(map(_spec, call.model_params))
+        sharded.meshes = list(map(_mesh, sharded.specs))
+        sharded.placements = list(map(_placements, sharded.specs))
+        sharded.global_shapes = list(map(_shape, call.model_params))
+        sharded.grad_meshes = sharded.meshes
+        return sharded
+
+    def state_lists(self) -> list[tuple[str, list[Tensor]]]:
+        return self.held
+
+    def dtypes(self) -> set[torch.dtype]:
+        return set(map(_dtype, self.param_shards))  # a DTensor's own getters cost twice a plain tensor's
+
+    def grads(self, device: torch.device) -> list[Tensor] | None:
+        if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):
+            return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
+        grads = list(map(_grad, self.model_params))
+        try:
+            specs = list(map(_spec, grads))
+        except AttributeError:
+            return None  # a grad is missing, or not a DTensor
+        if not all(map(operator.is_, specs, self.specs)):
+            meshes = list(map(_mesh, specs))
+            if not all(map(operator.is_, meshes, self.grad_meshes)):
+                if not all(map(operator.eq, meshes, self.meshes)):
+                    return None  # the general step checks each grad and raises the precise error
+                self.grad_meshes = meshes
+            if not (all(map(operator.eq, map(_placements, specs), self.placements))
+                    and list(map(_shape, grads)) == self.global_shapes):
+                return None
+            return self.checked(list(map(_local, grads)), device)
+        # FSDP2: each grad has its param's own spec, hence (DTensor's invariants) the planned dtype, layout
+        # and shapes; strides and device remain to check (the kernel checks all again before writing).
+        shards = list(map(_local, grads))
+        if len(shards) == len(self.last_grads) and all(map(operator.is_, shards, self.last_grads)):
+            return shards
+        if set(map(_device, shards)) != {device} or list(map(_stride, shards)) != self.strides:
+            return None
+        self.last_grads = shards
+        return shards

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _kernel_views as views
-from . import _step_plan, ops
+from . import _step_plan, dtensor, ops
 from ._host_step import STATE_TENSORS, HostStep
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._traced_step import TracedStep
@@ -28,7 +28,7 @@ from .grad_scaling import GradScaling, count_step
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
 _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_inv_scale", "_clip_coef", "_found_inf",
             "_unscaled", "_clips")
-_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host")
+_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host", "_norm_reduction")
 
 
 class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
@@ -87,6 +87,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     format, contiguous for one that is not dense), so state dicts move between this class and
     ``torch.optim.AdamW`` both ways, ``param_names`` (``named_parameters()``) kept as torch keeps them.
 
+    DTensor params (FSDP2, HSDP, tensor parallelism) are updated on their local shards; their state is
+    DTensors laid out as they are, and norms count each element once over their meshes (distopt/dtensor.py).
+
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
     Without ``capturable`` that costs one read of the flag on the host (the same synchronisation the
@@ -127,6 +130,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         self.capturable = capturable
         self.offload_optimizer = bool(offload_optimizer)
         self._host: HostStep | None = None  # built at the first use (distopt/_host_step.py)
+        self._norm_reduction: dtensor.NormReduction | None = None  # how grad norms combine (distopt/dtensor.py)
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
@@ -135,6 +139,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     def _check_params(self, params: list[Tensor]) -> None:
         self._device = check_param_tensors(params, "FusedAdam", views=True) or torch.device("cpu")
+        dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
         if self.capturable and self._device.type != "cuda":
             raise ValueError(
                 f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
@@ -179,7 +184,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         """Uninitialised fp32 (complex: complex64) state with `p`'s shape and layout, where the state lives."""
         if self.offload_optimizer:
             return self._host_step().fp32_like(p)
-        return views.state_like(p)
+        return dtensor.like_param(p, views.state_like)  # a DTensor param's: a DTensor laid out like it
 
     def _init_state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -194,15 +199,16 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             if self.offload_optimizer:
                 state.update(self._host_step().new_state(p))
                 return state
-            state["exp_avg"] = self._fp32_like(p).zero_()
-            state["exp_avg_sq"] = self._fp32_like(p).zero_()
+            # Made on a DTensor param's local shard (no DTensor dispatch), then wrapped like the param.
+            state["exp_avg"] = dtensor.like_param(p, lambda t: views.state_like(t).zero_())
+            state["exp_avg_sq"] = dtensor.like_param(p, lambda t: views.state_like(t).zero_())
             if self._uses_master(p):
-                state["param"] = self._fp32_like(p).copy_(p.detach())
+                state["param"] = dtensor.like_param(p, lambda t: views.state_like(t).copy_(t.detach()))
         return state
 
     @staticmethod
     def _check_grad(p: Tensor) -> Tensor:
-        g = p.grad
+        p, g = dtensor.local_param_and_grad(p)  # a DTensor param's: the local shards, laid out alike
         if g.is_sparse:
             raise RuntimeError("FusedAdam does not support sparse gradients")
         if g.is_complex() != p.is_complex() or g.dtype not in views.DTYPES:
@@ -255,7 +261,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes of the per-param state by category (``master``, ``moments``, ``staging``: offload's host
         copies), with ``device`` and ``host`` totals (offload: all of it is host memory) and ``total``."""
-        sizes = {k: sum(s[k].nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
+        sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
         report = {"master": sizes["param"], "moments": sizes["exp_avg"] + sizes["exp_avg_sq"],
                   "staging": self._host.staging_bytes() if self._host is not None else 0}
         total = sum(report.values())
@@ -323,6 +329,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             work.append((group, params, [self._check_grad(p) for p in params]))
+            dtensor.check_states(params, self.state)
         return work
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -352,23 +359,16 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         return grad_scale, found_inf
 
     def _grads_key(self):
-        return tuple((id(p.grad), p.grad._version) for g in self.param_groups for p in g["params"]
-                     if p.grad is not None)
+        # A DTensor grad's shard: FSDP2 accumulates into it in place, which leaves the DTensor's version as it was.
+        return tuple((id(g), g._version) for g in (dtensor.local(p.grad) for group in self.param_groups
+                                                     for p in group["params"] if p.grad is not None))
 
     def _norm_sq_and_flag(self) -> Tensor:
-        """[sum of squares, inf/nan flag] of the current .grad tensors (one l2norm call per dtype)."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if (g := p.grad) is not None:
-                    g = g if g.is_contiguous() and not g.is_complex() else views.norm_view(g)  # (complex, gaps)
-                    by_dtype[g.dtype].append(g)
-        flag = torch.zeros(1, dtype=torch.float32, device=self._device)
-        sq = torch.zeros(1, dtype=torch.float32, device=self._device)
-        for grads in by_dtype.values():
-            total, _ = ops.l2norm(grads, found_inf=flag)
-            sq = sq + total.square()
-        return torch.cat([sq, flag])
+        """[sum of squares, inf/nan flag] of the current .grad tensors over the whole model: DTensor grads'
+        shards reduced over their meshes, each element counted once (distopt/dtensor.py)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        sq_and_flag, self._norm_reduction = dtensor.norm_sq_and_flag(self._norm_reduction, params, self._device)
+        return sq_and_flag
 
     @staticmethod
     def _hyper(group: dict[str, Any], grad_scale: Tensor | None) -> dict[str, Any]:
@@ -381,7 +381,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         params need views (and, in eager mode, of step number, which the eager op takes as a number)."""
         buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
         for p, g in zip(params, grads):
-            state = self._init_state(p)
+            p, g, state = dtensor.local_entry(p, g, self._init_state(p))  # a DTensor param's: its local shards
             key = (p.dtype, g.dtype, "param" in state, views.needs_view(p))
             if eager:
                 key += (int(state["step"].item()),)

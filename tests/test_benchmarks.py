@@ -74,11 +74,12 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
 
 
 BENCH_HOST = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
-HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2"}
+HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local",
+              "fsdp2_kept"}
 
 
 def test_bench_host_quick(tmp_path: Path) -> None:
-    """bench_host.py --quick runs every case (the world-size-2 one on forked gloo ranks), checks that
+    """bench_host.py --quick runs every case (those on 2 ranks on forked gloo ranks), checks that
     each pair of optimizers agrees, and writes its JSON (and plot). Its targets are reported, not tested."""
     meta, rows, printed = run_quick(BENCH_HOST, tmp_path, "results_host.json", "--quick", timeout=300)
     assert "thread(s)" in printed and "torch" in printed

@@ -1,0 +1,263 @@
+"""DTensor params (FSDP2's ``fully_shard``, HSDP, tensor parallelism): unwrap on the hot path, wrap at
+the edges.
+
+The fused kernels are elementwise, so they run unchanged on each param's local shard
+(``DTensor._local_tensor``, what ``to_local()`` returns under ``no_grad``). The step plan holds those
+local tensors (distopt/_step_plan.py), so a steady-state step performs no DTensor dispatch. The state
+is made on the local shard and exposed as a DTensor with the param's mesh, placements, global shape
+and stride (``like_param``): ``opt.state[p]["exp_avg"]`` is what torch.optim.AdamW would hold, and
+torch's ``get_optimizer_state_dict``, ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint``
+save, load and reshard it. Step counters stay plain float32 scalars, as torch.optim.AdamW keeps them
+for DTensor params.
+
+A param, its gradient and its state must agree in mesh, placements and shape: that is checked when
+the general step reads them (the plan then only compares identities) and a mismatch or a ``Partial``
+gradient raises, never updates with the wrong shard. Zero-element local shards (uneven sharding, ranks
+that hold nothing) go through every list and every collective like any other.
+
+Norms (``NormReduction``): the whole model's sum of squares is each param's local sum, all-reduced
+over the mesh dimensions the param is sharded along (``Shard``, FSDP's ``_StridedShard``) and not over
+those it is replicated along, so each element counts once. The inf/nan flag is all-reduced over all
+of a param's mesh dimensions, so an inf on any rank is seen by every rank. Params are grouped by the
+process groups they reduce over and each group gets one all-reduce, whatever the number of params.
+Plain tensors count as local to each rank (no reduction), as for a single-process model.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import ops
+from ._kernel_views import norm_view
+from ._validation import is_dense
+
+try:  # private: FSDP over a tensor-parallel dimension shards with it
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - a torch without it cannot make such layouts
+    _StridedShard = ()
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (no dispatch, no autograd), or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def like_param(p: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
+    """``make(p)``; for a DTensor param, ``make`` of its local shard as a DTensor with the param's mesh,
+    placements, global shape and stride (no communication)."""
+    if not isinstance(p, DTensor):
+        return make(p)
+    return DTensor.from_local(make(p._local_tensor), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                              run_check=False)
+
+
+def _describe(t: DTensor) -> str:
+    return f"placements {tuple(t.placements)} on {t.device_mesh}"
+
+
+def _sharded(placement) -> bool:
+    # FSDP over a tensor-parallel dimension shards with _StridedShard, which is not is_shard() in torch 2.14.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def _same_layout(a: DTensor, b: DTensor) -> bool:
+    return a.device_mesh == b.device_mesh and tuple(a.placements) == tuple(b.placements) and a.shape == b.shape
+
+
+def check_params(params: Sequence[Tensor], owner: str, offload: bool) -> None:
+    """Raises for a DTensor param this optimizer cannot step: a ``Partial`` or unknown placement, a mesh
+    this rank is not in, a local shard that is not dense, or ``offload_optimizer``."""
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        if offload:
+            raise ValueError(f"{owner}: offload_optimizer=True does not support DTensor params (FSDP2, tensor "
+                             "parallelism) yet")
+        for placement in p.placements:
+            if not (_sharded(placement) or placement.is_replicate()):
+                raise ValueError(f"{owner}: a DTensor param must be sharded or replicated on each mesh dimension, "
+                                 f"got {_describe(p)}")
+        if p.device_mesh.get_coordinate() is None:
+            raise ValueError(f"{owner}: this rank is not in the mesh of a DTensor param ({p.device_mesh})")
+        if not is_dense(p._local_tensor):
+            raise ValueError(f"{owner}: the local shard of a DTensor param must be dense (non-overlapping, no gaps)")
+
+
+def check_grad(p: DTensor, grad: Tensor) -> None:
+    """Raises unless `grad` is a DTensor laid out as its param `p` (mesh, placements, global shape)."""
+    if not isinstance(grad, DTensor):
+        raise RuntimeError(f"FusedAdam: a DTensor param ({_describe(p)}) has a {type(grad).__name__} gradient; "
+                           "it must be a DTensor with the param's mesh and placements")
+    if grad._spec is p._spec or _same_layout(grad, p):
+        return
+    hint = ""
+    if any(placement.is_partial() for placement in grad.placements):
+        hint = " (a Partial gradient is an unreduced sum: redistribute it to the param's placements first)"
+    raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(grad.shape)} with {_describe(grad)} does not match "
+                       f"its param ({tuple(p.shape)}, {_describe(p)}){hint}")
+
+
+def local_param_and_grad(p: Tensor) -> tuple[Tensor, Tensor]:
+    """(param, grad) as the kernel sees them: for a DTensor param, the local shards, after checking that
+    the grad is laid out as the param."""
+    grad = p.grad
+    if not isinstance(p, DTensor):
+        if isinstance(grad, DTensor):
+            raise RuntimeError(f"FusedAdam: a plain param of shape {tuple(p.shape)} has a DTensor gradient "
+                               f"({_describe(grad)})")
+        return p, grad
+    check_grad(p, grad)
+    return p._local_tensor, grad._local_tensor
+
+
+def check_states(params: Sequence[Tensor], state: dict[Tensor, dict[str, Any]]) -> None:
+    """Raises unless each state tensor of a DTensor param in `params` is a DTensor laid out as it (the
+    step counter aside, a plain scalar)."""
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        for name, value in state.get(p, {}).items():
+            if name == "step" or not isinstance(value, Tensor):
+                continue
+            if not (isinstance(value, DTensor) and _same_layout(value, p)):
+                where = _describe(value) if isinstance(value, DTensor) else f"a {type(value).__name__}"
+                raise RuntimeError(f"FusedAdam: state {name!r} ({tuple(value.shape)}, {where}) does not match its "
+                                   f"DTensor param ({tuple(p.shape)}, {_describe(p)})")
+
+
+def local_entry(p: Tensor, grad: Tensor, state: dict[str, Any]) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """A general step's (param, local grad, state) with the param and its state tensors replaced by
+    their local shards (``check_states`` has checked their layouts). The step counter (a plain scalar)
+    is the state's own tensor, so counting a step counts it in the state."""
+    if not isinstance(p, DTensor):
+        return p, grad, state
+    return p._local_tensor, grad, {name: local(value) for name, value in state.items()}
+
+
+def placed_like(p: Tensor, value: Tensor, name: str) -> Tensor:
+    """A loaded state tensor laid out as its param `p`: a DTensor with another placement on the same
+    mesh is redistributed; a plain (whole) tensor for a DTensor param gives this rank's shard of it,
+    sliced locally. A DTensor for a plain param, or one on another mesh, raises."""
+    if not isinstance(value, DTensor):
+        if not isinstance(p, DTensor):
+            return value
+        return distribute_tensor(value.detach(), p.device_mesh, p.placements, src_data_rank=None)
+    if not isinstance(p, DTensor):
+        raise ValueError(f"loaded {name} is a DTensor ({_describe(value)}) but its param is a plain tensor: load the "
+                         "state through torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or pass "
+                         "full tensors")
+    if value.device_mesh != p.device_mesh:
+        raise ValueError(f"loaded {name} is on {value.device_mesh}, its param on {p.device_mesh}")
+    if tuple(value.placements) != tuple(p.placements):
+        value = value.redistribute(p.device_mesh, p.placements)
+    return value
+
+
+# ---------------------------------------------------------------------- norms
+
+
+def _reduction_groups(p: Tensor) -> tuple[tuple, tuple]:
+    """(groups the param's sum of squares is summed over, groups its inf/nan flag is reduced over):
+    the process groups of its sharded mesh dimensions, and of all of them (one-rank dimensions left out)."""
+    if not isinstance(p, DTensor):
+        return (), ()
+    mesh = p.device_mesh
+    dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
+    return (tuple(mesh.get_group(d) for d in dims if _sharded(p.placements[d])),
+            tuple(mesh.get_group(d) for d in dims))
+
+
+class NormReduction:
+    """How the local sums of squares and inf/nan flags of `params`' shards make the whole model's.
+
+    Params with the same reduction form a class (``class_of[i]`` is param i's); ``reduce`` takes one
+    local sum and one flag per class and makes one all-reduce per process group involved, in an order
+    that depends only on the params' order and layouts, so every rank enters the same collectives. Built
+    from every param (not only those with a gradient), so a rank whose grads are missing still does.
+    """
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        self.params = list(params)
+        keys: dict[tuple, int] = {}
+        self.class_of = [keys.setdefault(_reduction_groups(p), len(keys)) for p in self.params]
+        self.classes = len(keys)
+        # Where to reduce which entry of [sums..., flags...]: every process group, in order of appearance,
+        # known by its ranks (two meshes' groups of the same ranks are one: all its members see them alike).
+        where: dict[tuple[int, ...], tuple[Any, list[int]]] = {}
+        for k, (sum_groups, flag_groups) in enumerate(keys):
+            for groups, entry in ((sum_groups, k), (flag_groups, self.classes + k)):
+                for group in groups:
+                    where.setdefault(tuple(dist.get_process_group_ranks(group)), (group, []))[1].append(entry)
+        self._where = list(where.values())
+        self._indices: dict[torch.device, list[Tensor]] = {}
+
+    def holds(self, params: Sequence[Tensor]) -> bool:
+        """Whether this reduction was built for exactly these param objects, in this order."""
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def local_sums(self, device: torch.device) -> tuple[Tensor, Tensor, str | None]:
+        """(sum of squares, inf/nan flag) per class of the current gradients' local shards (one l2norm
+        call per class and gradient dtype), and the error of a DTensor gradient laid out unlike its param
+        (None if none). Such a rank still takes part in the reduction, with nan sums and the inf flag
+        set, so that the others do not wait for it and skip the step; it raises after."""
+        lists: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        error = None
+        for p, k in zip(self.params, self.class_of):
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(p, DTensor):
+                try:
+                    check_grad(p, g)
+                except RuntimeError as e:
+                    error = error or str(e)
+                    continue
+                g = g._local_tensor
+            if g.is_complex() or not g.is_contiguous():
+                g = norm_view(g)  # real and dense, as the L2-norm kernel takes it
+            lists.setdefault((k, g.dtype), []).append(g)
+        sums = torch.zeros(self.classes, dtype=torch.float32, device=device)
+        flags = torch.zeros(self.classes, dtype=torch.float32, device=device)
+        for (k, _), grads in lists.items():
+            total, _ = ops.l2norm(grads, found_inf=flags[k:k + 1])
+            sums[k] += total.square()
+        if error is not None:
+            sums.fill_(float("nan"))
+            flags.fill_(1.0)
+        return sums, flags, error
+
+    def reduce(self, sums: Tensor, flags: Tensor) -> Tensor:
+        """[whole model's sum of squares, nonzero if any rank saw inf/nan] from per-class local values."""
+        values = torch.cat([sums, flags])
+        indices = self._indices.get(values.device)
+        if indices is None:
+            indices = self._indices[values.device] = [torch.tensor(i, device=values.device) for _, i in self._where]
+        for (group, _), index in zip(self._where, indices):
+            part = values.index_select(0, index)
+            dist.all_reduce(part, group=group)
+            values.index_copy_(0, index, part)
+        return torch.stack([values[:self.classes].sum(), values[self.classes:].sum()])
+
+
+def norm_sq_and_flag(reduction: NormReduction | None, params: Sequence[Tensor], device: torch.device
+                     ) -> tuple[Tensor, NormReduction]:
+    """([sum of squares, inf/nan flag] of `params`' gradients over the whole model, the reduction used):
+    `reduction` is reused while it holds the same params (pass the last one returned)."""
+    if reduction is None or not reduction.holds(params):
+        reduction = NormReduction(params)
+    sums, flags, error = reduction.local_sums(device)
+    sq_and_flag = reduction.reduce(sums, flags)
+    if error is not None:
+        raise RuntimeError(error)
+    return sq_and_flag, reduction
