@@ -151,7 +151,8 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
         gathered = torch.empty(b.spec.numel, dtype=torch.float32, device=b.device)
         for key in STATE_KEYS:
             # (an offloaded shard is on the host: the collective takes it on the device)
-            opt.comm.all_gather(gathered, _local_shard(b, key, params).to(b.device), b.index).wait()
+            opt.comm.all_gather(gathered, _local_shard(b, key, params).to(b.device), b.index, f"{key} for state_dict()"
+                                ).wait()
             whole = gathered.cpu() if keep else None
             for piece in b.spec.pieces if keep else ():
                 dst = flat(out[piece.param][key])[piece.param_offset : piece.param_offset + piece.numel]
