@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from distopt import DistributedFusedAdam
 from distopt.distributed import checkpoint
-from distopt.distributed.atomic_replace import SaveFailed, resolve
+from distopt.distributed.atomic_replace import SaveFailed, replace_file, resolve
 
 from harness import run_ranks, run_ranks_outcomes
 from test_checkpoint import TINY_BUCKET_MB, groups, make_model, params_of, train
@@ -238,7 +238,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_or_the_new_checkpoint(c
 
 
 @pytest.mark.slow
-def test_a_rank_killed_during_a_save_many_trials(calibration, tmp_path):
+def test_a_rank_killed_during_a_save_many_trials(calibration, tmp_path, long_version):
     tally = run_trials(range(1000, 1000 + SLOW_TRIALS), calibration, tmp_path)
     assert tally["previous"] > 0 and tally["new"] > 0  # the kills landed on both sides of the switch
 
@@ -325,3 +325,22 @@ def test_negative_control_a_save_in_place_killed_midway_is_caught(calibration, t
     assert outcomes[1].status == "died" and outcomes[0].status == "error", outcomes
     with pytest.raises(AssertionError, match="ValueError: .*ckpt: the checkpoint.* nothing was loaded"):
         run_ranks(load_then_save, 1, (path,))
+
+
+def test_replace_file_keeps_the_previous_file_until_the_new_one_is_complete(tmp_path):
+    """The one-file case (the transformers integration's optimizer.pt): a write that fails halfway leaves
+    the previous file and no temporary; a killed write's temporary is removed by the next one."""
+    path = tmp_path / "optimizer.pt"
+    replace_file(path, lambda tmp: torch.save({"v": 1}, tmp))
+
+    def half_then_full_disk(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left"):
+        replace_file(path, half_then_full_disk)
+    assert os.listdir(tmp_path) == ["optimizer.pt"] and torch.load(path) == {"v": 1}
+    (tmp_path / "optimizer.pt.tmp-0000000000000001-00000000").write_bytes(b"left by a killed save")
+    replace_file(path, lambda tmp: torch.save({"v": 2}, tmp))
+    assert os.listdir(tmp_path) == ["optimizer.pt"] and torch.load(path) == {"v": 2}
