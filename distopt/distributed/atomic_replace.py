@@ -19,11 +19,12 @@ several ranks fill. Beside `path` (in its parent directory) it keeps:
 
 Why a reader always finds one complete checkpoint: the only step that changes what `path` names is
 ``rename(2)`` of a link over the previous link, which POSIX makes atomic ("there is no point at
-which another process attempting to access newpath will find it missing"), on every POSIX
-filesystem, network ones included. It happens after the new version is complete and durable and
-before the previous one is removed. A rank killed before it leaves `path` naming the previous
-checkpoint; after it, the new one; leftovers are ignored and removed by the next successful save.
-(A directory cannot be renamed over a non-empty one: that is why `path` is a link.)
+which another process attempting to access newpath will find it missing"). It happens after the new
+version is complete and durable and before the previous one is removed. A rank killed before it
+leaves `path` naming the previous checkpoint; after it, the new one; leftovers are ignored and
+removed by the next successful save. (A directory cannot be renamed over a non-empty one: that is
+why `path` is a link.) ``resolve`` reads the link once, on rank 0, so that all ranks of a load read
+one version even if a save switches the link meanwhile.
 
 A real directory at `path` (written by plain ``dcp.save`` or an older distopt) is adopted at the first
 save: renamed to a version and replaced by the link. Between those two renames `path` is missing
@@ -89,11 +90,18 @@ def _siblings(path: str, kinds: tuple[str, ...]) -> list[str]:
     return [os.path.join(parent, name) for _, name in sorted(found)]
 
 
-def resolve(path: str | os.PathLike) -> str:
-    """Where the checkpoint saved at `path` is read: `path` itself (a real directory, or the link the
-    operating system follows), or while `path` is missing (a save adopting a real directory was
-    killed between its two renames) the newest complete version beside it."""
+def resolve(path: str | os.PathLike, group: Any = None) -> str:
+    """Where the checkpoint saved at `path` is read: the version its link names (read once, so that a
+    save switching the link meanwhile cannot mix two versions), a real directory at `path`, or while
+    `path` is missing (a save adopting a real directory was killed between its two renames) the newest
+    complete version beside it. With a process `group`: rank 0's answer, on every rank (a collective)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        answer = [resolve(path) if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0), group=group)
+        return answer[0]
     path = os.path.normpath(os.fspath(path))
+    if os.path.islink(path) and _refusal(path) is None:  # a link a save made
+        return os.path.join(os.path.dirname(path), os.readlink(path))
     if os.path.lexists(path):
         return path
     versions = _siblings(path, ("v",))

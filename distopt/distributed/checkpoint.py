@@ -349,10 +349,10 @@ def save(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
 def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
     """Sharded load under any world size: each rank reads the saved ranges overlapping its own, and
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
-    on every rank, copies `extra` into the caller's tensors and loads the optimizer. Leftovers of
-    killed saves beside `checkpoint_id` are ignored."""
-    checkpoint_id = atomic_replace.resolve(checkpoint_id)
+    on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
+    the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
     group = opt.comm.process_group
+    checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra
     targets = _targets(extra)
     error = None
