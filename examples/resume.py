@@ -45,13 +45,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distopt.distributed import checkpoint
+from distopt.distributed import atomic_replace, checkpoint
 
 KEEP = 2  # checkpoints kept in DIR
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_ENTRY = re.compile(r"^step-(\d+)(\.|$)")  # a checkpoint, or a version or leftover of one
 # The settings a bit-exact resume needs unchanged (the rest: reporting, checkpointing, threads).
 SETTINGS = ("steps", "seed", "batch_size", "seq_len", "dim", "layers", "heads", "lr", "lr_warmup", "weight_decay",
             "clip", "bucket_cap_mb", "overlap_grad_sync", "overlap_param_sync", "offload", "world_size")
@@ -153,7 +156,7 @@ def save(args: argparse.Namespace, sides: tuple, rank: int, step: int, first: to
     if rank == 0:
         kept = {s for s, _ in _checkpoints(args.checkpoint_dir)[:KEEP]}
         for name in os.listdir(args.checkpoint_dir):
-            m = re.match(r"^step-(\d+)(\.|$)", name)
+            m = _STEP_ENTRY.match(name)
             if m and int(m.group(1)) not in kept:
                 target = os.path.join(args.checkpoint_dir, name)
                 if os.path.isdir(target) and not os.path.islink(target):
@@ -170,6 +173,7 @@ def resume(args: argparse.Namespace, sides: tuple, rank: int) -> tuple[int, torc
     first = torch.full((2,), float("nan"), dtype=torch.float64)
     found = _checkpoints(args.checkpoint_dir) if args.checkpoint_dir else []
     for step, path in found:
+        _check_settings(path, args)
         extra = _extra(sides, rank, step, first.clone(), args)
         try:
             checkpoint.load(sides[0].opt, path, extra=extra)
@@ -178,12 +182,6 @@ def resume(args: argparse.Namespace, sides: tuple, rank: int) -> tuple[int, torc
                 print(f"resume: {path} cannot be loaded ({exc}); trying an older checkpoint", flush=True)
             continue
         progress = extra["progress"]
-        if progress["settings"] != settings(args):
-            saved, now = json.loads(progress["settings"]), json.loads(settings(args))
-            diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]} (now {now[k]})" for k in SETTINGS
-                             if saved[k] != now[k])
-            raise SystemExit(f"resume: {path} was saved by a run with {diff}: a bit-exact resume needs the same "
-                             "settings; pass them, or another --checkpoint-dir")
         torch.set_rng_state(extra["rng"][str(rank)]["cpu"])
         if "cuda" in extra["rng"][str(rank)]:
             torch.cuda.set_rng_state(extra["rng"][str(rank)]["cuda"])
@@ -192,6 +190,22 @@ def resume(args: argparse.Namespace, sides: tuple, rank: int) -> tuple[int, torc
         raise SystemExit(f"resume: none of the checkpoints in {args.checkpoint_dir} can be loaded (see above); "
                          "not training over them: move them away to start afresh")
     return 0, first, ""
+
+
+def _check_settings(path: str, args: argparse.Namespace) -> None:
+    """Stops if the checkpoint at `path` was saved with other settings (every rank reads them; settings
+    that cannot be read are left to checkpoint.load, which says why)."""
+    holder: dict[str, Any] = {"progress": {"settings": ""}}
+    try:
+        dcp.load(holder, checkpoint_id=atomic_replace.resolve(path, dist.group.WORLD))
+    except (Exception, CheckpointException):  # a damaged checkpoint: checkpoint.load refuses it with the reason
+        return
+    saved, now = json.loads(holder["progress"]["settings"]), json.loads(settings(args))
+    diff = [f"{saved[k]} ranks (now {now[k]})" if k == "world_size" else f"--{k.replace('_', '-')} {saved[k]} "
+            f"(now {now[k]})" for k in SETTINGS if saved.get(k) != now[k]]
+    if diff:
+        raise SystemExit(f"resume: {path} was saved by a run with {', '.join(diff)}: a bit-exact resume needs the "
+                         "same settings; pass them, or another --checkpoint-dir")
 
 
 def params_digest(models: list[nn.Module]) -> str:

@@ -6,12 +6,10 @@ synchronises gradients; DDP would do it twice), in one process ``FusedAdam``: fr
 ``distopt_kwargs``, or the one passed in ``optimizers=``. The Trainer's loop is unchanged; its hooks
 are overridden: ``max_grad_norm`` clips through ``opt.clip_grad_norm`` (folded into the update) and
 the logged ``grad_norm`` is the optimizer's, accumulation runs under ``opt.no_sync()``, every rank
-takes part in saving the sharded optimizer state (which rank 0 writes crash-consistently: each file
-beside its path, then renamed over it; a failure raises on every rank), and ``save_model`` lands
-deferred all-gathers (``overlap_param_sync``) on every rank before the saving rank reads the weights.
-The Trainer's own files in a checkpoint (model, trainer state, RNG) are written as it writes them.
-Rank 0's buffers (BatchNorm statistics) are broadcast before each synchronising training step, as
-DDP does (``ddp_broadcast_buffers=False`` turns it off, as for DDP).
+takes part in saving the sharded optimizer state (written crash-consistently; a failure raises on
+every rank), and ``save_model`` lands deferred all-gathers (``overlap_param_sync``) on every rank
+before the saving rank reads the weights. Rank 0's buffers (BatchNorm statistics) are broadcast
+before each synchronising training step, as DDP does (``ddp_broadcast_buffers=False`` turns it off).
 """
 
 from __future__ import annotations
