@@ -1,5 +1,5 @@
 """No leak over long runs: FusedAdam (one process) and DistributedFusedAdam (2 gloo ranks, overlapped
-grad and param sync) train with a GradScaler and clipping and save a checkpoint every EVERY steps
+grad and param sync) train with a GradScaler and clipping and save checkpoints
 (checkpoint.save, or torch.save through atomic_replace.replace_file), and after WARMUP steps (and a
 checkpoint: lazily imported modules, first-use caches, the allocator's arenas) the Python object
 count and the RSS stay flat within the bounds below: 400 steps with a checkpoint every 100 by
@@ -9,7 +9,8 @@ The bounds. After gc.collect(), the object count must not grow by more than OBJE
 object per step shows as hundreds. RSS may grow by at most RSS_MIB: with nothing leaking it still
 creeps while gloo and glibc's malloc keep some of what each step frees (measured on this machine:
 over 2,000 steps, DistributedFusedAdam 0.75 to 1.1 MiB and FusedAdam 0.4 to 0.9 MiB; the stock DDP +
-torch.optim.AdamW on the same loop 1.6 MiB over 1,500 steps). The negative control keeps one 16 KiB tensor per step, and both checks catch it.
+torch.optim.AdamW on the same loop 1.6 MiB over 1,500 steps). The negative control keeps one 16 KiB
+tensor per step, and both checks catch it.
 """
 
 from __future__ import annotations
