@@ -51,14 +51,15 @@ def uninterrupted() -> str:
 
 
 def workers(parent: int) -> list[int]:
-    """The processes whose parent is `parent` (torchrun's workers)."""
+    """torchrun's workers: the processes whose parent is `parent` and that run train.py."""
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (OSError, ValueError):
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            running_train = b"train.py" in Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
             continue
-        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+        if ppid == parent and running_train:
             found.append(int(entry))
     return sorted(found)
 
