@@ -4,6 +4,8 @@ next to DDP + torch.optim.AdamW on the same batches.
     python examples/train.py [--steps 120] [--ranks 2]          # spawns its own ranks
     torchrun --nproc-per-node 8 examples/train.py [--steps ...]  # torchrun's ranks
     python examples/train.py --bmuf [--sync-every 4]            # BMUF vs DDP (examples/bmuf_mode.py)
+    torchrun --nproc-per-node 2 --max-restarts 2 examples/train.py --checkpoint-dir DIR --checkpoint-every 20
+                                          # checkpoints; restarted, it resumes bit for bit (examples/resume.py)
 
 Without a GPU it starts 2 CPU ranks over gloo; with GPUs, one rank per GPU over NCCL. The model is a
 byte-level TinyGPT (examples/model.py) trained on the Python standard library's own sources
@@ -26,13 +28,16 @@ root of tiny second moments), so the two runs drift apart with the steps. The co
 drift for this very model, data, schedule and machine (without its nudge it is bit-identical to
 DDP). The run passes if distopt's params are within --tolerance-factor times the control's distance
 of DDP's, measured as ||difference|| / ||params|| over all params, and exits with status 1
-otherwise. On 2 CPU ranks the ratio comes out at about 1 (0.95 to 1.1 over seeds 0-3 and 60 to 150
+otherwise. On 2 CPU ranks the ratio comes out at about 1 (0.94 to 1.04 over seeds 0-3 at 60 and 120
 steps): both runs are the reference plus a last-bit perturbation per step. The factor 10 leaves room
 for larger ones (sums over many ranks in another order round differently by a few ulps), while real
 mistakes stand far out: distopt with eps 1e-7 instead of 1e-8 lands 80 times the control's distance
 away, without weight decay 200 times, with eps 1e-6 300 times. (The largest |difference| of a single
 element, also printed, is a noisier measure: it follows the few weights whose second moments are
 near zero.)
+
+The line before the verdict is a SHA-256 digest of the three models' final params: two runs that
+print the same digest ended with the same bits (say, a resumed run and an uninterrupted one).
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distopt import DistributedFusedAdam
 
-# examples/data.py and examples/model.py (the script's directory is on sys.path)
+# examples/data.py, model.py and resume.py (checkpoints, restarts); the script's directory is on sys.path
+import resume
 from data import Corpus, load_corpus, train_batch, val_batches
 from model import TinyGPT
 
@@ -102,6 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     import bmuf_mode  # here, not at the top: it imports this module's pieces
 
     bmuf_mode.add_arguments(parser)
+    resume.add_arguments(parser)
     args = parser.parse_args(argv)
 
     if TORCHRUN and args.ranks is not None:
@@ -123,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.world_size = world_size
     if args.bmuf:
         bmuf_mode.check_arguments(parser, args)
+    resume.check_arguments(parser, args)
     return args
 
 
@@ -147,6 +155,7 @@ class Side:
     opt: torch.optim.Optimizer
     times: list[float] = field(default_factory=list)
     loss_sum: torch.Tensor | None = None  # this rank's train losses since the last print
+    nudge: Nudge | None = None  # the control's comm hook state
 
     def train_step(self, tokens: torch.Tensor, args: argparse.Namespace, device: torch.device) -> None:
         start = time.perf_counter()
@@ -179,25 +188,35 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def nudge_hook(seed: int):
+@dataclass
+class Nudge:
+    """The control's DDP comm hook state: a seed, each param's position, and the step being taken."""
+
+    seed: int
+    position: dict[nn.Parameter, int]
+    step: int = 0
+
+
+def nudge_hook(state: Nudge, bucket):  # no annotations: DDP checks them, and they are strings here
     """A DDP comm hook: all-reduce (average) as DDP does, then move every gradient element one ulp
-    up or down at random (the same on every rank): another rounding of the same sum."""
-    gens: dict[int, torch.Generator] = {}
+    up or down at random (the same on every rank): another rounding of the same sum. A param's draws
+    come from (seed, step, param), not from DDP's buckets, whose layout a resumed run builds anew:
+    so a resumed control nudges as the uninterrupted one did."""
+    grads = bucket.buffer()
+    up = torch.empty(grads.shape, dtype=torch.bool)
+    for p, g in zip(bucket.parameters(), bucket.gradients()):
+        seed = (state.seed * 1_000_003 + state.step) * 1_000_003 + state.position[p]
+        gen = torch.Generator().manual_seed(seed % 2**63)
+        start = (g.data_ptr() - grads.data_ptr()) // grads.element_size()
+        up[start : start + g.numel()] = torch.rand(g.numel(), generator=gen) < 0.5
 
-    def hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
-        grads = bucket.buffer()
-        gen = gens.setdefault(bucket.index(), torch.Generator().manual_seed(seed + bucket.index()))
-        up = torch.rand(grads.shape, generator=gen) < 0.5
+    def nudge(fut):
+        reduced = fut.value()[0]
+        toward = torch.where(up, math.inf, -math.inf).to(device=reduced.device, dtype=reduced.dtype)
+        return reduced.copy_(torch.nextafter(reduced, toward))
 
-        def nudge(fut):
-            reduced = fut.value()[0]
-            toward = torch.where(up, math.inf, -math.inf).to(device=reduced.device, dtype=reduced.dtype)
-            return reduced.copy_(torch.nextafter(reduced, toward))
-
-        grads.div_(dist.get_world_size())
-        return dist.all_reduce(grads, async_op=True).get_future().then(nudge)
-
-    return hook
+    grads.div_(dist.get_world_size())
+    return dist.all_reduce(grads, async_op=True).get_future().then(nudge)
 
 
 def build(args: argparse.Namespace, vocab: int, device: torch.device) -> tuple[Side, Side, Side]:
@@ -209,13 +228,18 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> tuple[S
     opt = DistributedFusedAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                bucket_cap_mb=args.bucket_cap_mb, overlap_grad_sync=args.overlap_grad_sync,
                                overlap_param_sync=args.overlap_param_sync, offload_optimizer=args.offload)
+    # The bucket layout now (reverse param order, as backward delivers most grads), not at the first
+    # backward: a resumed run builds it when it loads, in this order, and sums the grad norm alike.
+    opt.init_params()
     sides = [Side("distopt", model, model, opt)]
     for name in ("DDP", "control"):
         ddp = DDP(fresh(), bucket_cap_mb=args.bucket_cap_mb)
+        nudge = None
         if name == "control":
-            ddp.register_comm_hook(None, nudge_hook(10_000 + args.seed))
+            nudge = Nudge(10_000 + args.seed, {p: i for i, p in enumerate(ddp.parameters())})
+            ddp.register_comm_hook(nudge, nudge_hook)
         sides.append(Side(name, ddp.module, ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr,
-                                                                    weight_decay=args.weight_decay)))
+                                                                    weight_decay=args.weight_decay), nudge=nudge))
     return tuple(sides)
 
 
@@ -258,15 +282,20 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
                                              world_size)]
     out = Printer(rank == 0)
     header(out, args, corpus, distopt_side.model, world_size, device)
+    done, saved_first, path = resume.resume(args, sides, rank)
+    if path:
+        out(f"resumed from {path}: steps {done + 1} to {args.steps} follow")
+    first = Distance(*saved_first.tolist()) if done else None
 
     val_losses: dict[str, float] = {}
-    last_print = 0
-    first: Distance | None = None
-    for step in range(1, args.steps + 1):
+    last_print = done
+    for step in range(done + 1, args.steps + 1):
         tokens = train_batch(corpus.train, step, args.batch_size, args.seq_len, rank, world_size, args.seed).to(device)
         for side in sides:
             for group in side.opt.param_groups:
                 group["lr"] = lr_at(step, args)
+            if side.nudge is not None:
+                side.nudge.step = step
             side.train_step(tokens, args, device)
         if step == 1:
             distopt_side.opt.param_sync()
@@ -284,6 +313,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
             distopt_side.opt.param_sync()
             gaps = [param_distance(s.model, ddp_side.model, device).relative for s in (distopt_side, control)]
             out.row(step, train_losses, [val_losses[s.name] for s in shown] if validating else None, gaps)
+        if args.checkpoint_dir and step % args.checkpoint_every == 0 and step < args.steps:
+            out(f"checkpoint saved: {resume.save(args, sides, rank, step, torch.tensor(first, dtype=torch.float64))}")
 
     distopt_side.opt.param_sync()  # overlap_param_sync leaves the last all-gather to the next forward
     ours = param_distance(distopt_side.model, ddp_side.model, device)
@@ -292,7 +323,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace, device: torch.de
     memory = (distopt_memory(distopt_side.opt), adamw_memory(ddp_side.opt, ddp_side.model))
     tolerance = args.tolerance_factor * noise.relative
     passed = ours.relative <= tolerance
-    footer(out, args, world_size, timing, memory, first, ours, noise, tolerance, passed)
+    digest = resume.params_digest([s.model for s in sides])
+    footer(out, args, world_size, timing, memory, first, ours, noise, tolerance, passed, digest)
     return passed
 
 
@@ -359,7 +391,7 @@ def header(out: Printer, args: argparse.Namespace, corpus: Corpus, model: nn.Mod
 
 def footer(out: Printer, args: argparse.Namespace, world_size: int, timing: list[dict], memory: tuple[dict, dict],
            first: Distance, ours: Distance, noise: Distance, tolerance: float,
-           passed: bool) -> None:
+           passed: bool, digest: str) -> None:
     tokens = args.batch_size * args.seq_len
     mib = 2.0**-20
     out()
@@ -387,6 +419,7 @@ def footer(out: Printer, args: argparse.Namespace, world_size: int, timing: list
         f"max |difference| {ours.max_abs:.1e} (after step 1: {first.relative:.1e}, {first.max_abs:.1e})")
     out(f"control, DDP+AdamW with its averaged gradients moved 1 ulp at random every step, vs DDP+AdamW: relative L2 "
         f"{noise.relative:.1e}, max {noise.max_abs:.1e}")
+    out(f"params digest: {digest}")
     if passed:
         out(f"PASS: distopt's params agree with DDP+AdamW's: relative L2 difference {ours.relative:.1e} <= "
             f"{tolerance:.1e} = {args.tolerance_factor:g} x the control's (last-bit rounding as {args.steps} steps "
@@ -406,11 +439,7 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace, store_path: 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     else:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world_size))
-    backend = "nccl" if use_cuda else "gloo"
-    if store_path:
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
-    else:  # launched by torchrun: ranks and rendezvous come from the environment
-        dist.init_process_group(backend)
+    resume.init_process_group("nccl" if use_cuda else "gloo", rank, world_size, store_path, args.collective_timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     try:
         if args.bmuf:

@@ -1,4 +1,7 @@
-"""Shared pytest setup: the `cuda` marker skips cleanly without a GPU; every test starts seeded."""
+"""Shared pytest setup: the `cuda` marker skips cleanly without a GPU; every test starts seeded; the
+long versions of tests run only when asked for (`long_version`)."""
+
+import os
 
 import pytest
 import torch
@@ -42,3 +45,12 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def long_version(request):
+    """For the long (``slow``) version of a test whose short version runs by default: it skips unless the
+    run selects `slow` (``pytest -m slow``) or sets DISTOPT_SLOW=1 (plain ``pytest`` deselects nothing)."""
+    expr = request.config.getoption("markexpr") or ""
+    if not (os.environ.get("DISTOPT_SLOW") or ("slow" in expr and "not slow" not in expr)):
+        pytest.skip("long version: select it with -m slow or DISTOPT_SLOW=1")

@@ -41,6 +41,8 @@ def test_train_example_runs_and_passes():
     verdict = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdict) == 1, out
     assert verdict[0].startswith("PASS: distopt's params agree with DDP+AdamW's: relative L2 difference"), out
+    lines = out.splitlines()
+    assert re.fullmatch(r"params digest: [0-9a-f]{64}", lines[lines.index(verdict[0]) - 1]), out
 
 
 def test_train_example_with_offload_passes_and_reports_host_memory():
@@ -64,7 +66,7 @@ def test_help_shows_defaults():
                             env=without_torchrun())
     assert result.returncode == 0, result.stderr
     for option in ("--steps", "--ranks", "--batch-size", "--seq-len", "--lr", "--clip", "--overlap-param-sync",
-                   "--tolerance-factor"):
+                   "--tolerance-factor", "--checkpoint-dir", "--checkpoint-every", "--collective-timeout"):
         assert option in result.stdout
     assert "(default: 120)" in result.stdout and "(default: 0.003)" in result.stdout
 
@@ -75,6 +77,19 @@ def test_ranks_is_refused_under_torchrun():
                             env=env)
     assert result.returncode == 2
     assert "--ranks does not apply under torchrun" in result.stderr, result.stderr
+
+
+def test_checkpoint_and_timeout_options(monkeypatch, capsys):
+    monkeypatch.setattr(train, "TORCHRUN", False)
+    args = train.parse_args(["--checkpoint-dir", "ckpt", "--val-every", "7"])
+    assert (args.checkpoint_every, args.collective_timeout) == (7, 300.0)  # the defaults
+    for argv, message in ((["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+                          (["--checkpoint-dir", "c", "--checkpoint-every", "0"], "must be at least 1"),
+                          (["--checkpoint-dir", "c", "--bmuf"], "not supported with --bmuf"),
+                          (["--collective-timeout", "0"], "--collective-timeout must be positive")):
+        with pytest.raises(SystemExit) as exc:
+            train.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 def test_batch_must_split_evenly_over_ranks(monkeypatch, capsys):

@@ -166,6 +166,16 @@ def _by_value(values: list[str], ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
+def raise_together(group: dist.ProcessGroup | None, error: str | None, headline: str,
+                   kind: type[Exception] = ValueError) -> None:
+    """Raises the same `kind` of error on every rank of `group` if any rank found an error (a collective)."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise kind(f"{headline}: {errors[failed[0]]} (found on rank(s) {failed} of the process group)")
+
+
 def check(opt: DistributedFusedAdam) -> None:
     """check_ranks_agree(fingerprint(opt)) over the optimizer's data-parallel group, on its device."""
     check_ranks_agree(fingerprint(opt), opt.comm.process_group, opt.device)

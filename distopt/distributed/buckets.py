@@ -19,13 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
 from ..offload import HostTransfers, Landing
 from ..reference import join_bf16_remainder, split_bf16_remainder
-from .comm import Comm
+from .comm import Comm, Handle
 from .layout import Bucket, Fragment, Piece
 
 
@@ -109,12 +108,12 @@ class BucketRuntime:
         self.synced: set[int] = set()  # params that arrived in the current synchronising backward
         self.fresh = True  # grad_buffer must be zeroed before the next accumulation
         self.launched = False  # reduce-scatter started in this window
-        self._rs_work: dist.Work | None = None
+        self._rs_work: Handle | None = None
         self._rs_out: Tensor | None = None
 
         self.param_buffer: Tensor | None = None
         self._copy_plans: dict[str, tuple] = {}  # copy_lists' model sides and buffer geometry
-        self._ag_work: dist.Work | None = None
+        self._ag_work: Handle | None = None
         self._grad_offset = 0  # grad_buffer's storage offset (accumulate_param views it by offset)
         self._shard_views: dict[int, Tensor] = {}  # accumulate_param's views of state.grad, by param
         if contiguous_grad_buffer:

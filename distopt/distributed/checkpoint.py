@@ -20,6 +20,8 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
   every tensor in `extra`; on load each rank reads just the saved ranges that overlap its new ones.
+  The save is crash-consistent: written beside the path and switched in atomically
+  (atomic_replace.py), so the path always holds one complete checkpoint.
 
 Loading is all or nothing. It checks the format, param count, shapes, coverage and (where the
 checkpoint has them) the checksums of everything it reads, into fresh tensors, on every rank,
@@ -61,7 +63,9 @@ from .._state_dicts import (
     state_checksums,
     tensor_crc32,
 )
-from . import dcp_sharded
+from . import atomic_replace, dcp_sharded
+from .agreement import raise_together
+from .atomic_replace import describe
 from .buckets import BucketRuntime, flat
 from .checkpoint_extra import (
     _check_extra,
@@ -147,7 +151,8 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
         gathered = torch.empty(b.spec.numel, dtype=torch.float32, device=b.device)
         for key in STATE_KEYS:
             # (an offloaded shard is on the host: the collective takes it on the device)
-            opt.comm.all_gather(gathered, _local_shard(b, key, params).to(b.device), b.index).wait()
+            opt.comm.all_gather(gathered, _local_shard(b, key, params).to(b.device), b.index, f"{key} for state_dict()"
+                                ).wait()
             whole = gathered.cpu() if keep else None
             for piece in b.spec.pieces if keep else ():
                 dst = flat(out[piece.param][key])[piece.param_offset : piece.param_offset + piece.numel]
@@ -325,19 +330,29 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
 
 def save(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
     """Sharded save: every rank calls it; each writes only its own ranges (and `extra`, e.g.
-    ``{"model": model.state_dict()}``, deduplicated by torch.distributed.checkpoint)."""
+    ``{"model": model.state_dict()}``, deduplicated by torch.distributed.checkpoint). Crash-consistent
+    (atomic_replace.py): written beside `checkpoint_id`, then switched in atomically; a rank killed at
+    any moment leaves the previous checkpoint or the new one there, complete, and a failure on any rank
+    raises on every rank and leaves the previous one as it was."""
     group = opt.comm.process_group
     targets = _targets(extra)
     optim = sharded_state_dict(opt)
-    optim["extra_checksum"] = _extra_checksums(targets, group)
-    dcp.save({"optim": optim, **targets}, checkpoint_id=checkpoint_id, process_group=group)
+
+    def write(tmp: str) -> None:  # its collectives' failures (a rank died) are the save's: named by replace_dir
+        optim["extra_checksum"] = _extra_checksums(targets, group)
+        dcp.save({"optim": optim, **targets}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 process_group=group)
+
+    atomic_replace.replace_dir(checkpoint_id, write, group)
 
 
 def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
     """Sharded load under any world size: each rank reads the saved ranges overlapping its own, and
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
-    on every rank, copies `extra` into the caller's tensors and loads the optimizer."""
+    on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
+    the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
     group = opt.comm.process_group
+    checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra
     targets = _targets(extra)
     error = None
@@ -347,12 +362,12 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
             error = "no optimizer metadata ('optim.meta')"
     except Exception as exc:  # missing or garbled .metadata file
         error = f"its metadata cannot be read ({exc!r})"
-    _agree(group, error, f"{checkpoint_id}: not a readable distopt sharded checkpoint")
+    raise_together(group, error, f"{checkpoint_id}: not a readable distopt sharded checkpoint")
     meta_holder: dict[str, Any] = {"optim": {"meta": ""}}
     try:
         dcp.load(meta_holder, checkpoint_id=checkpoint_id, process_group=group)
     except CheckpointException as exc:
-        raise ValueError(f"{checkpoint_id}: the optimizer metadata cannot be read ({_reason(exc)})") from exc
+        raise ValueError(f"{checkpoint_id}: the optimizer metadata cannot be read ({describe(exc)})") from exc
     meta, verified = _parse_meta(meta_holder["optim"]["meta"], checkpoint_id)
     check_saved_groups(opt.param_groups, meta["param_groups"])
     saved = _saved_fragments(md)
@@ -382,15 +397,15 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     try:
         dcp.load(request, checkpoint_id=checkpoint_id, process_group=group)
     except CheckpointException as exc:  # e.g. a missing, truncated or garbled data file; nothing has changed
-        why = _reason(exc)
+        why = describe(exc)
         raise ValueError(f"{checkpoint_id}: the checkpoint's data cannot be read; nothing was loaded ({why})") from exc
     fresh = {k: request[k] for k in fresh}  # dcp.load replaces non-tensor leaves at the top in `request`
 
     bad = [f"optim.{k}" for k, t in needed.items() if k.startswith("state.") and verified
            and tensor_crc32(t) != int(needed["checksum." + k[len("state."):]][0])]
     bad += [fqn for fqn, t in _leaves(fresh) if fqn in sums and tensor_crc32(t) not in sums[fqn].tolist()]
-    _agree(group, f"{len(bad)} saved tensor(s) do not match their checksums ({', '.join(bad[:4])})" if bad else None,
-           f"{checkpoint_id}: the checkpoint is corrupted; nothing was loaded")
+    mismatch = f"{len(bad)} saved tensor(s) do not match their checksums ({', '.join(bad[:4])})" if bad else None
+    raise_together(group, mismatch, f"{checkpoint_id}: the checkpoint is corrupted; nothing was loaded")
 
     # Commit: the caller's `extra` (as dcp.load would have), then the optimizer.
     with torch.no_grad():
@@ -409,25 +424,6 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
         return out
 
     _apply(opt, source, int(meta["step"]), meta["param_groups"])
-
-
-def _reason(exc: CheckpointException) -> str:
-    """Each failing rank's exception, one line each (the full tracebacks stay in ``__cause__``)."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict) or not failures:
-        return str(exc)
-    lines = [f"rank {r}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}" for r, (e, _) in
-             sorted(failures.items())]
-    return "; ".join(lines)
-
-
-def _agree(group: Any, error: str | None, headline: str) -> None:
-    """Raises the same ValueError on every rank if any rank found an error (a collective)."""
-    errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = [r for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise ValueError(f"{headline}: {errors[failed[0]]} (found on rank(s) {failed} of the process group)")
 
 
 def _parse_meta(text: str, checkpoint_id: str) -> tuple[dict[str, Any], bool]:

@@ -6,10 +6,10 @@ synchronises gradients; DDP would do it twice), in one process ``FusedAdam``: fr
 ``distopt_kwargs``, or the one passed in ``optimizers=``. The Trainer's loop is unchanged; its hooks
 are overridden: ``max_grad_norm`` clips through ``opt.clip_grad_norm`` (folded into the update) and
 the logged ``grad_norm`` is the optimizer's, accumulation runs under ``opt.no_sync()``, every rank
-takes part in saving the sharded optimizer state, and ``save_model`` lands deferred all-gathers
-(``overlap_param_sync``) on every rank before the saving rank reads the weights. Rank 0's buffers
-(BatchNorm statistics) are broadcast before each synchronising training step, as DDP does
-(``ddp_broadcast_buffers=False`` turns it off, as for DDP).
+takes part in saving the sharded optimizer state (written crash-consistently; a failure raises on
+every rank), and ``save_model`` lands deferred all-gathers (``overlap_param_sync``) on every rank
+before the saving rank reads the weights. Rank 0's buffers (BatchNorm statistics) are broadcast
+before each synchronising training step, as DDP does (``ddp_broadcast_buffers=False`` turns it off).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.utils import logging
 
 from distopt import DistributedFusedAdam, FusedAdam
+from distopt.distributed.agreement import raise_together
+from distopt.distributed.atomic_replace import SaveFailed, describe, replace_file
 from distopt.distributed.buffers import BufferSync
 
 logger = logging.get_logger(__name__)
@@ -196,9 +198,15 @@ class DistoptTrainer(Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         # The stock method calls state_dict() on the saving rank only; DFA's gathers the shards.
         state = opt.state_dict(gather_on_rank0=not self.args.save_on_each_node)
+        error = None
         if self.args.should_save:
-            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            try:  # each file written beside its path and renamed over it: complete, or the previous one
+                scheduler = self.lr_scheduler.state_dict()
+                replace_file(os.path.join(output_dir, OPTIMIZER_NAME), lambda tmp: torch.save(state, tmp))
+                replace_file(os.path.join(output_dir, SCHEDULER_NAME), lambda tmp: torch.save(scheduler, tmp))
+            except Exception as exc:  # a full disk, say: every rank stops, not only the writer
+                error = f"rank {self.args.process_index}: {describe(exc)}"
+        raise_together(opt.comm.process_group, error, f"saving the optimizer state in {output_dir} failed", SaveFailed)
         # Loading needs no override: the Trainer loads the optimizer state on every rank.
 
     def _tune_save_checkpoint(self, checkpoint_dir: str) -> None:

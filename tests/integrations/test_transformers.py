@@ -13,6 +13,7 @@ the CPU), so the CPU runs cover bf16 autocast, and the loss-scaling path is driv
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import buffers  # noqa: E402
+from distopt.distributed.atomic_replace import SaveFailed  # noqa: E402
 from distopt.integrations.transformers import DistoptTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
@@ -256,6 +258,30 @@ def test_checkpoint_resume_is_bit_exact(reference: dict, tmp_path: Path) -> None
     saved_whole, saved_resumed = run["optim"]
     assert saved_whole["format"] == "distopt.per_param.v1"
     assert saved_whole["checksums"] == saved_resumed["checksums"]  # CRC-32 of every state tensor
+
+
+def _disk_full_at_save(rank: int, world_size: int, port: int, tmp: str) -> tuple[str, list[str] | None]:
+    """Rank 0 cannot write optimizer.pt (ENOSPC halfway through): every rank must stop at that save."""
+    torchrun_env(rank, world_size, port)
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if "optimizer.pt" in str(f):
+            real_save(obj, f, *args, **kwargs)  # the bytes are written: the disk fills up as it closes
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    if rank == 0:
+        torch.save = save
+    with pytest.raises(SaveFailed) as info:
+        train(f"{tmp}/run", DistoptTrainer, save_strategy="steps", save_steps=SAVE_AT, distopt_kwargs=OVERLAP)
+    return str(info.value), sorted(os.listdir(f"{tmp}/run/checkpoint-{SAVE_AT}")) if rank == 0 else None
+
+
+def test_a_failed_optimizer_state_save_stops_every_rank_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    (message, files), (message1, _) = run_ranks(_disk_full_at_save, 2, (free_port(), str(tmp_path)))
+    assert message == message1 and "rank 0: OSError: [Errno 28] No space left on device" in message, message
+    assert not any(f.startswith("optimizer.pt") for f in files), files  # neither the file nor its temporary
 
 
 def _buffers(rank: int, world_size: int, port: int, tmp: str, broadcast: bool) -> dict:
