@@ -94,12 +94,7 @@ class DistoptTrainer(Trainer):
                 self._check_sharded_setup()
             # Wrapped here rather than by accelerator.prepare: without device placement, whose
             # state_dict/load_state_dict round trip would all-gather and fix DFA's layout early.
-            state = self.accelerator.state
-            kind = state.distributed_type
             wrapped = _DistoptAcceleratedOptimizer(inner, device_placement=False, scaler=self.accelerator.scaler)
-            # accelerate's AcceleratedOptimizer() re-reads the process state into the accelerator's, which turns
-            # FSDP back into plain data parallelism: prepare() would then wrap the model in DDP, not FSDP2.
-            state.distributed_type = kind
             wrapped._is_accelerate_prepared = True  # accelerator.prepare() registers it and keeps it as is
             self.optimizer = self.accelerator.prepare_optimizer(wrapped)
         return self.optimizer

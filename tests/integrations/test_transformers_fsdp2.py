@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from accelerate.state import AcceleratorState, DistributedType  # noqa: E402
+from accelerate.state import AcceleratorState, DistributedType, PartialState  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -61,13 +61,15 @@ FSDP2 = {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_di
 
 
 def fsdp_on_cpu() -> None:
-    """In this forked rank only: accelerate builds the FSDP state on the CPU as it does on a GPU."""
+    """In this forked rank only: accelerate builds the FSDP state on the CPU as it does on a GPU, where it
+    also records the distributed type in the process state (which every later AcceleratorState() re-reads)."""
     init = AcceleratorState.__init__
 
     def fsdp_init(self, *args, fsdp_plugin=None, **kwargs):
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     AcceleratorState.__init__ = fsdp_init
 
