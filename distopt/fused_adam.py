@@ -328,6 +328,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            # Also params put into param_groups after construction (accelerate's FSDP2 preparation swaps the
+            # DTensors in), which add_param_group never saw.
+            dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
             work.append((group, params, [self._check_grad(p) for p in params]))
             dtensor.check_states(params, self.state)
         return work

@@ -20,8 +20,10 @@ imported (pass ``namespace="pytorch_lightning"`` or ``"lightning"`` where both a
 clipping for every optimizer with ``_step_supports_amp_scaling`` (the flag that lets ``GradScaler``
 hand the unscale to ``step()``), even under bf16, which has no scaler. Put ``DistoptGradientClipping``
 first among the LightningModule's bases: it clips distopt's optimizers itself, unscaling first where
-there is a scaler, and leaves other optimizers (and Lightning's check for them) as they were. (Never
-give DistributedFusedAdam to strategy="ddp": DDP and the optimizer would both handle the gradients.)
+there is a scaler, and leaves other optimizers (and Lightning's check for them) as they were, and norm
+clipping under FSDPStrategy (FSDP1: its flat shards' norm is a rank's own) to Lightning, which refuses
+it. (Never give DistributedFusedAdam to strategy="ddp": DDP and the optimizer would both handle the
+gradients.)
 Importing this module does not import Lightning; building a strategy does.
 """
 
@@ -52,6 +54,10 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
 
 
+def _algorithm(algorithm: Any) -> str:
+    return str(getattr(algorithm, "value", algorithm) or "norm").lower()  # a GradClipAlgorithmType, a str or None
+
+
 def clip_gradients(optimizer: Any, clip_val: float | None, algorithm: Any = "norm", scaler: Any = None) -> bool:
     """Clips a distopt optimizer's gradients as Lightning's ``gradient_clip_val`` asks; returns False
     (doing nothing) for other optimizers. `scaler`: the precision plugin's GradScaler, if any."""
@@ -60,7 +66,7 @@ def clip_gradients(optimizer: Any, clip_val: float | None, algorithm: Any = "nor
         return False
     if not clip_val or clip_val <= 0:
         return True
-    algorithm = str(getattr(algorithm, "value", algorithm) or "norm").lower()
+    algorithm = _algorithm(algorithm)
     # Lightning skips scaler.unscale_ for optimizers that unscale in step(): the grads are still scaled.
     ready = scaler is not None and scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
     if algorithm == "norm":
@@ -84,7 +90,11 @@ class DistoptGradientClipping:
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: Any = None) -> None:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if not clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm, scaler):
+        # FSDPStrategy (FSDP1) gives the optimizer each rank's flat shards as plain tensors: their norm is this
+        # rank's alone. Lightning refuses norm clipping there for every optimizer: leave it to Lightning.
+        fsdp1_norm = _algorithm(gradient_clip_algorithm) == "norm" and any(
+            cls.__name__ == "FSDPStrategy" for cls in type(self.trainer.strategy).__mro__)
+        if fsdp1_norm or not clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm, scaler):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 

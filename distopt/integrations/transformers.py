@@ -1,7 +1,8 @@
 """Hugging Face transformers: ``DistoptTrainer``, a ``transformers.Trainer`` that trains with distopt.
 
 Under torchrun it builds ``DistributedFusedAdam`` and leaves the model unwrapped (the optimizer
-synchronises gradients; DDP would do it twice), in one process ``FusedAdam``: from TrainingArguments
+synchronises gradients; DDP would do it twice), in one process or under FSDP2 (``fsdp=True``, whose
+params FusedAdam steps as DTensors; FSDP1 is refused) ``FusedAdam``: from TrainingArguments
 (learning_rate, weight_decay with the Trainer's no-decay groups, adam_beta1/2, adam_epsilon) plus
 ``distopt_kwargs``, or the one passed in ``optimizers=``. The Trainer's loop is unchanged; its hooks
 are overridden: ``max_grad_norm`` clips through ``opt.clip_grad_norm`` (folded into the update) and
@@ -102,6 +103,12 @@ class DistoptTrainer(Trainer):
 
     def _build_optimizer(self, model: nn.Module) -> FusedAdam | DistributedFusedAdam:
         args = self.args
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            # FSDP1 hands the optimizer each rank's flat shards as plain tensors: the update would be right,
+            # but a norm of them is this rank's alone, and clipping goes through the optimizer here.
+            raise ValueError("DistoptTrainer supports FSDP2 (fsdp_config={'version': 2}), not FSDP1; under FSDP1 "
+                             "pass optimizer_cls_and_kwargs=(FusedAdam, {...}) to the stock Trainer, which clips "
+                             "through FSDP1's clip_grad_norm_")
         if "adamw" not in str(getattr(args.optim, "value", args.optim)):
             logger.warning(f"DistoptTrainer trains with (Distributed)FusedAdam: optim={args.optim} is ignored")
         decay = set(self.get_decay_parameter_names(model))
@@ -109,7 +116,9 @@ class DistoptTrainer(Trainer):
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # Under FSDP2 the data parallelism is FSDP's, and FusedAdam steps the shards it leaves.
+        sharded = not self.is_fsdp_enabled and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1
         if sharded:
             self._check_sharded_setup()
         cls = DistributedFusedAdam if sharded else FusedAdam
