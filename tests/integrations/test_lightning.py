@@ -402,7 +402,7 @@ def _teardown_with_state_on_another_device(rank: int, world_size: int) -> dict:
     lstrategy._optimizers_to_device = to_other_device
     try:
         env = LightningEnvironment()
-        strategy = DistributedFusedAdamStrategy(accelerator=CPUAccelerator(), cluster_environment=env)
+        strategy = strategy_class(LIGHTNING)(accelerator=CPUAccelerator(), cluster_environment=env)
         strategy.optimizers = [opt]
         strategy.teardown()
     finally:
