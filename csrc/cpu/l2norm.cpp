@@ -134,7 +134,7 @@ DISTOPT_AVX512_TARGET inline __m512 load16(const T* p, __mmask16 valid) {
   }
 }
 
-// The AVX2 version's lanes in two registers: acc[0] holds lanes 0-7, acc[1] lanes 8-15, so each lane
+// The AVX2 version's lanes in two registers: acc0 holds lanes 0-7, acc1 lanes 8-15, so each lane
 // adds the same squares in the same order (the masked load zero-fills the last partial step).
 template <typename T>
 DISTOPT_AVX512_TARGET double sum_squares_avx512(const T* x, int64_t n) {
