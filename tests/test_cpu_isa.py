@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,10 +27,11 @@ from op_helpers import BF16, FP16, FP32, scalar
 pytestmark = pytest.mark.usefixtures("compiled_cpu_kernels")
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in (FP32, BF16, FP16)]
 
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux reports them (an oracle independent of the extension's check)."""
     try:
-        text = open("/proc/cpuinfo").read()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
