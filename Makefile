@@ -1,4 +1,4 @@
-# Two commands on a fresh machine (Python 3.11+ with pip; nvcc optional):
+# Two commands on a fresh machine (Python 3.10+ with pip; nvcc optional):
 #   make train   the main job (see README)
 #   make test    the test suite (what CI runs)
 # Both create .venv, install torch and build distopt._C on first use.

@@ -10,11 +10,11 @@ a GPT-like model ("list"):
               l2norm (+ found_inf) -> clip coefficient on device -> adam_step_ (+ param_outs);
   l2norm      the multi-tensor norm against torch._foreach_norm + vector_norm(stack(...)).
 On CPU (--threads, default 2) it then prints the CPU kernel targets table (cpu_targets.py).
-Every configuration is first checked against torch (a benchmark never reports a number for wrong
-output), then timed (see common.py). GB/s counts each tensor read or written once at its dtype, the
-minimum traffic of the fused pass; torch rows are given the same byte count, so their GB/s is an
-effective bandwidth and the ratio of the two is the speedup. "% copy" compares with the device-copy
-bandwidth measured in the same run. Writes results.json and results.png to --out.
+Every configuration is first checked against float64 references (f64_reference.py; a benchmark never
+reports a number for wrong output), then timed (see common.py). GB/s counts each tensor read or
+written once at its dtype, the minimum traffic of the fused pass; torch rows are given the same byte
+count, so their GB/s is an effective bandwidth and the ratio of the two is the speedup. "% copy"
+compares with the device-copy bandwidth measured in the same run. Writes results.json and results.png to --out.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import Tensor
 from distopt import ops
 from distopt.reference import join_bf16_remainder, split_bf16_remainder
 
+import f64_reference as f64
 from common import (
     Series,
     TimingConfig,
@@ -68,17 +69,10 @@ TIMING = {
 }
 QUICK_TIMING = TimingConfig(warmup=1, min_reps=3, max_reps=5, budget_s=0.02)
 
-# Loose enough for a different (but correct) order of fp32 operations and one rounding of a 16-bit
-# output; far tighter than any real bug.
-TOLERANCE = {
-    torch.float32: dict(rtol=1e-5, atol=1e-6),
-    torch.bfloat16: dict(rtol=2**-6, atol=1e-5),
-    torch.float16: dict(rtol=2**-9, atol=1e-6),
-}
-# Updated params, though, may differ by a fraction of one step: Adam's m / (sqrt(v) + eps) is ill-
-# conditioned where |grad| is near eps, so a last-bit difference upstream (the clip norm summed in
-# another order) moves such an element visibly. Among millions of random elements a few always are.
-# 1% of lr still catches any wrong hyperparameter, which moves every element by a large part of lr.
+# Updated params may differ from float64 by a fraction of one step: Adam's m / (sqrt(v) + eps) is ill-
+# conditioned where |grad| is near eps, so a last-bit difference upstream (the clip norm) moves such
+# an element visibly. Among millions of random elements a few always are. 1% of lr still catches any
+# wrong hyperparameter, which moves every element by a large part of lr.
 PARAM_ATOL = 1e-2 * LR
 
 
@@ -217,6 +211,12 @@ def resumed_torch_adamw(params: list[Tensor], s: State) -> tuple[torch.optim.Ada
     return opt, fused, note
 
 
+def expected_update(s: State, grad_factor: Tensor | float = 1.0) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The float64 (params, exp_avgs, exp_avg_sqs) after one update of ``s`` (left unchanged)."""
+    return f64.adamw(s.masters(), s.grads, s.exp_avgs, s.exp_avg_sqs, lr=LR, betas=(BETA1, BETA2), eps=EPS,
+                     weight_decay=WEIGHT_DECAY, step=STEP, grad_factor=grad_factor)  # fmt: skip
+
+
 def torch_masters(s: State) -> list[Tensor]:
     """fp32 master params for torch, with fp32 ``.grad``s holding the grads of ``s``."""
     masters = s.masters()
@@ -240,7 +240,7 @@ def make_pipeline(mix: Mix, sizes: Sequence[int], device: torch.device) -> Pipel
     """The GradScaler + clipping + AdamW step of ``mix`` (fp32, or fp32 masters with 16-bit model
     params and grads), by torch and by distopt."""
     d = make_state(sizes, mix, device, grad_scale=LOSS_SCALE)
-    t = d.clone()
+    t, before = d.clone(), d.clone()
     # 0-dim like GradScaler's: torch's fused AdamW subtracts found_inf from its 0-dim step counts.
     inv_scale = torch.full((), 1.0 / LOSS_SCALE, device=device)
     d_inf, t_inf = torch.zeros((), device=device), torch.zeros((), device=device)
@@ -276,25 +276,14 @@ def make_pipeline(mix: Mix, sizes: Sequence[int], device: torch.device) -> Pipel
         torch._foreach_copy_(t.grads, pristine)  # unscale and clip scaled the fp32 grads in place
 
     def check() -> None:
+        expected = expected_update(before, f64.clip_factor(before.grads, 1.0 / LOSS_SCALE, MAX_NORM, CLIP_EPS))
         distopt_step()
         torch_step()
-        _assert_close(d.masters(), masters, "masters", atol=PARAM_ATOL)
-        _assert_close(d.outs, t.outs, "param_outs")
-        _assert_close(d.exp_avgs + d.exp_avg_sqs, t.exp_avgs + t.exp_avg_sqs, "moments")
-        _assert_close([d_inf], [t_inf], "found_inf")
+        f64.assert_update(d.masters(), d.outs, d.exp_avgs + d.exp_avg_sqs, expected, PARAM_ATOL)
+        f64.assert_update(masters, t.outs, t.exp_avgs + t.exp_avg_sqs, expected, PARAM_ATOL, baseline=True)
+        assert d_inf.item() == 0 and t_inf.item() == 0, "found_inf set for finite grads"
 
     return Pipeline(distopt_step, torch_step, torch_setup if pristine else None, check, note)
-
-
-def _assert_close(actual: Sequence[Tensor], expected: Sequence[Tensor], what: str, atol: float = 0.0) -> None:
-    """Elementwise comparison at the tolerance of each actual tensor's dtype (atol at least `atol`)."""
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        tol = dict(TOLERANCE[a.dtype])
-        tol["atol"] = max(tol["atol"], atol)
-        try:
-            torch.testing.assert_close(a.float(), e.float(), **tol)
-        except AssertionError as exc:
-            raise AssertionError(f"{what}[{i}] differs from torch: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------- sections
@@ -364,11 +353,11 @@ class Bench:
         opt, _, note = resumed_torch_adamw(masters, t)
 
         def check() -> None:
+            expected = expected_update(s)
             distopt_update(s)
             opt.step()
-            _assert_close(s.masters(), masters, "params", atol=PARAM_ATOL)
-            _assert_close(s.outs, [p.to(mix.out) for p in masters] if mix.out else [], "param_outs")
-            _assert_close(s.exp_avgs + s.exp_avg_sqs, t.exp_avgs + t.exp_avg_sqs, "moments")
+            f64.assert_update(s.masters(), s.outs, s.exp_avgs + s.exp_avg_sqs, expected, PARAM_ATOL)
+            f64.assert_update(masters, [], t.exp_avgs + t.exp_avg_sqs, expected, PARAM_ATOL, baseline=True)
 
         if not self.checked(cfg, check):
             return
@@ -396,20 +385,25 @@ class Bench:
         found_inf = torch.zeros(1, device=self.device)
 
         def torch_norm() -> tuple[Tensor, list[Tensor]]:
-            # fp32 per-tensor norms: as accurate as distopt's (clip_grad_norm_ keeps the grad dtype).
+            # fp32 per-tensor norms (clip_grad_norm_ would keep the grad dtype, less accurate for bf16).
             per_tensor = torch._foreach_norm(grads, 2, dtype=torch.float32)
             return torch.linalg.vector_norm(torch.stack(per_tensor)), per_tensor
 
+        torch_error = 0.0
+
         def check() -> None:
-            total_d, per_d = ops.l2norm(grads, found_inf)
+            nonlocal torch_error
+            expected = f64.l2norm(grads)
             total_t, per_t = torch_norm()
-            torch.testing.assert_close(total_d, total_t, rtol=1e-4, atol=0)
-            torch.testing.assert_close(per_d, torch.stack(per_t), rtol=1e-4, atol=0)
+            f64.assert_close(ops.l2norm(grads, found_inf), expected, "l2norm (total, per-tensor)", rtol=f64.NORM_RTOL)
+            f64.assert_close((total_t, torch.stack(per_t)), expected, "l2norm (total, per-tensor)", baseline=True)
+            torch_error = abs(total_t.item() / expected[0].item() - 1)
             assert found_inf.item() == 0, "found_inf set for finite grads"
 
         if not self.checked(cfg, check):
             return
-        baseline = self.measure(cfg, "torch", torch_norm, note="_foreach_norm(dtype=fp32) + vector_norm(stack)")
+        note = f"_foreach_norm(dtype=fp32) + vector_norm(stack); {torch_error:.1e} off float64"
+        baseline = self.measure(cfg, "torch", torch_norm, note=note)
         self.measure(cfg, "distopt", lambda: ops.l2norm(grads, found_inf), note="also sets found_inf",
                      baseline=baseline)  # fmt: skip
 

@@ -17,6 +17,10 @@ Conventions shared by all ops:
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.util
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -60,11 +64,22 @@ def _l2norm_fake(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[T
 
 
 def _load_extension() -> tuple[bool, str]:
-    """Imports distopt._C (registering its kernels); returns (loaded, reason if not)."""
+    """Imports distopt._C (registering its kernels); returns (loaded, why not: missing or the loader's
+    message). Looked up first: a plain ``from . import _C`` of a missing file reports a "partially
+    initialized module ... circular import", which is not the reason."""
+    name = f"{__package__}._C"
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        from . import _C  # noqa: F401
-    except ImportError as exc:
-        return False, str(exc)
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        return False, f"the compiled extension {name} failed to load: {exc}"
+    if spec is None:
+        suffixes = ", ".join(importlib.machinery.EXTENSION_SUFFIXES)
+        return False, f"the compiled extension {name} is missing: no _C{{{suffixes}}} in {here}"
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:  # also a library that is not one: wrong torch or Python, bad ELF file
+        return False, f"the compiled extension {name} failed to load from {spec.origin}: {exc}"
     return True, ""
 
 
@@ -93,8 +108,9 @@ def _register_fallbacks() -> None:
         _lib.impl(name, getattr(reference, name), key)
     if not HAS_EXTENSION:
         warnings.warn(
-            f"distopt._C could not be imported ({_IMPORT_ERROR}); using the pure-PyTorch reference ops "
-            "(correct but slower). Build it with `pip install --no-build-isolation -e .`.",
+            f"{_IMPORT_ERROR}. distopt falls back to the pure-PyTorch reference ops (correct but slower). "
+            f"Rebuild the extension against this torch ({torch.__version__}) from the source checkout: "
+            "`pip install --no-build-isolation -e .`, or `python setup.py build_ext --inplace`.",
             RuntimeWarning,
             stacklevel=3,
         )

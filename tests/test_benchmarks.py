@@ -142,3 +142,17 @@ def test_bench_offload_compare_catches_one_ulp() -> None:
     b[1][4, 2] = torch.nextafter(b[1][4, 2], torch.tensor(float("inf")))
     diff, exact, agree = bench_offload.compare(a, b)
     assert 0 < diff < 1e-6 and not exact and not agree
+
+
+def test_bench_cpu_paths_quick(tmp_path: Path) -> None:
+    """Every kernel on every path this CPU has, and torch's equivalents, in one quick round."""
+    from distopt import _C
+
+    paths = ["baseline", "avx2", "avx512"][: ["baseline", "avx2", "avx512"].index(_C.best_cpu_isa()) + 1]
+    script = BENCH.parent / "bench_cpu_paths.py"
+    meta, rows, _ = run_quick(script, tmp_path, "results_cpu_paths.json", "--rounds", "1", "--paths", *paths,
+                              timeout=120)
+    cases = {r["case"] for r in rows}
+    assert meta["paths"] == paths and len(cases) == 5 * len(paths) + 3, cases
+    assert all(f"l2norm bf16 [{p}]" in cases for p in [*paths, "torch"])
+    assert all(math.isfinite(r["ns_per_element"]) and r["ns_per_element"] > 0 for r in rows)

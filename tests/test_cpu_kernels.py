@@ -1,21 +1,20 @@
 """The CPU kernels (distopt._C on CPU tensors) give the same bits whatever the thread count and ISA.
 
 The kernels split the elements of all tensors into ranges for torch's threads (csrc/cpu/flat.h) and
-run vectorised loops compiled for SSE2 and AVX2, one chosen at run time (csrc/cpu/isa.h;
-DISTOPT_CPU_ISA=baseline forces SSE2). Each case here runs one op on identical inputs under
-torch.set_num_threads(1, 2, 3) and both ISAs and compares every output bit for bit (NaN payloads
-included), with sizes around the vector widths (4, 8, 16 lanes), the norm's 4096-element blocks and
-the 32K-element parallel grain, every list at its own odd element offset, and inf/nan injected.
-The conversions of Note [16-bit conversions] (csrc/common/types.h) are checked against torch's casts.
+run vectorised loops compiled for SSE2, AVX2 and AVX-512, the best this CPU has chosen at run time
+(csrc/cpu/isa.h; DISTOPT_CPU_ISA=baseline|avx2|avx512 forces one). Each case here runs one op on
+identical inputs under torch.set_num_threads(1, 2, 3) and every ISA path this CPU supports and compares
+every output bit for bit (NaN payloads included), with sizes around the vector widths (4, 8, 16
+lanes), the norm's 4096-element blocks and the 32K-element parallel grain, every list at its own odd
+element offset, and inf/nan injected. The conversions of Note [16-bit conversions]
+(csrc/common/types.h) are checked against torch's casts. test_cpu_isa.py checks the dispatch itself.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from distopt import ops
 
+from cpu_paths import ISAS, RUNS, compiled_cpu_kernels, threads_and_isa  # noqa: F401 (a fixture)
 from op_helpers import (
     BF16,
     FP16,
@@ -44,36 +44,12 @@ from op_helpers import (
 # Around the vector widths, the norm's block (4096) and the parallel grain (32768); ~290K elements in
 # all, so 2 and 3 threads each get several ranges.
 SIZES = (1, 3, 7, 8, 15, 16, 17, 33, 4095, 4096, 4097, 8193, 32767, 32768, 32769, 65537, 100_003, 0, 5)
-# (threads, ISA) runs compared with the first.
-RUNS = [(1, "baseline"), (1, None), (2, None), (3, None), (2, "baseline"), (3, "baseline")]
 # Element offset of each Adam list's tensors inside their buffers: no two lists aligned alike.
 OFFSETS = {"params": 1, "grads": 3, "exp_avgs": 0, "exp_avg_sqs": 2, "param_outs": 5, "param_remainders": 7}
 GUARD = 77.0
 
 
-@pytest.fixture(autouse=True)
-def _compiled_cpu_kernels() -> None:
-    missing = [op for op in ("adam_step_", "l2norm", "scale_") if (op, "CPU") not in ops.COMPILED_KERNELS]
-    assert not missing, f"distopt._C has no CPU kernels for {missing}: these tests would test the reference"
-
-
-@contextlib.contextmanager
-def threads_and_isa(threads: int, isa: str | None) -> Iterator[None]:
-    """torch's intra-op thread count and the kernels' ISA (None: the best one) for the block."""
-    old_threads, old_isa = torch.get_num_threads(), os.environ.get("DISTOPT_CPU_ISA")
-    torch.set_num_threads(threads)
-    if isa is None:
-        os.environ.pop("DISTOPT_CPU_ISA", None)
-    else:
-        os.environ["DISTOPT_CPU_ISA"] = isa
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        if old_isa is None:
-            os.environ.pop("DISTOPT_CPU_ISA", None)
-        else:
-            os.environ["DISTOPT_CPU_ISA"] = old_isa
+pytestmark = pytest.mark.usefixtures("compiled_cpu_kernels")
 
 
 def at_offset(t: Tensor, offset: int) -> Tensor:
@@ -326,7 +302,7 @@ def float_patterns() -> Tensor:
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_narrowing_rounds_to_nearest_even_with_one_nan(dtype):
     x = float_patterns()
-    for threads, isa in [(2, None), (1, "baseline")]:
+    for threads, isa in [(2, None), *((1, isa) for isa in ISAS)]:
         out = torch.empty(x.shape, dtype=dtype)
         with threads_and_isa(threads, isa):
             ops.cast_copy_([x], [out])
@@ -338,7 +314,7 @@ def test_narrowing_rounds_to_nearest_even_with_one_nan(dtype):
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_widening_is_exact_and_keeps_nan_payloads(dtype):
     h = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
-    for threads, isa in [(2, None), (1, "baseline")]:
+    for threads, isa in [(2, None), *((1, isa) for isa in ISAS)]:
         out = torch.empty(h.shape, dtype=FP32)
         with threads_and_isa(threads, isa):
             ops.cast_copy_([h], [out])

@@ -1,5 +1,6 @@
 """The compiled extension is loaded and registered; without it distopt falls back to the reference."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,3 +42,63 @@ def test_fallback_without_extension_warns_once_and_computes():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout
+
+
+def package_copy(tmp_path, extension: bytes | None) -> str:
+    """A copy of the distopt package without its compiled modules; with ``extension``, a file of those
+    bytes where distopt/_C's shared library would be. Returns the folder to put on sys.path."""
+    import importlib.machinery
+    import shutil
+    from pathlib import Path
+
+    import distopt
+
+    src = Path(distopt.__file__).parent
+    dst = tmp_path / "pkg" / "distopt"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("_C*.so", "_C*.pyd", "__pycache__"))
+    if extension is not None:
+        (dst / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(extension)
+    return str(dst.parent)
+
+
+def fallback_warning(path: str) -> str:
+    """The one RuntimeWarning that importing distopt from ``path`` gives (checked: exactly one)."""
+    script = textwrap.dedent(
+        """
+        import sys, warnings
+        # An editable install's finder would find the checkout's _C for the copy's missing one.
+        sys.meta_path[:] = [f for f in sys.meta_path if not f.__module__.startswith("__editable__")]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch
+            import distopt
+        assert "pkg" in distopt.__file__, distopt.__file__
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1 and not distopt.ops.HAS_EXTENSION, msgs
+        print(msgs[0])
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                            cwd=path)  # not the checkout, whose distopt would come first
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_fallback_warning_says_the_extension_is_missing(tmp_path):
+    """Not "cannot import name '_C' from partially initialized module (circular import)": what is
+    missing, where it was looked for, and how to rebuild."""
+    path = package_copy(tmp_path, None)
+    msg = fallback_warning(path)
+    assert "compiled extension distopt._C is missing" in msg and str(tmp_path) in msg, msg
+    assert "circular" not in msg and "reference ops" in msg
+    assert "pip install --no-build-isolation -e ." in msg and "build_ext --inplace" in msg
+
+
+def test_fallback_warning_gives_the_loaders_reason(tmp_path):
+    """A file that is not a loadable library: the warning quotes the dynamic loader's own message."""
+    path = package_copy(tmp_path, b"not an ELF file")
+    msg = fallback_warning(path)
+    assert "compiled extension distopt._C failed to load" in msg, msg
+    assert "invalid ELF header" in msg or "file too short" in msg, msg  # dlopen's words
+    assert "pip install --no-build-isolation -e ." in msg

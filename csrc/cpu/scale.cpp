@@ -23,23 +23,31 @@ struct ScaleCtx {
 
 template <typename I, typename O, bool kScaled>
 struct ScaleRange {
+  // The smallest fp32 magnitude (bit pattern) that is stored as inf/nan in O: inf itself for fp32;
+  // for bf16 0x7f7f8000, halfway between the largest bf16 (0x7f7f) and inf, which rounds to even,
+  // that is to inf (0x7f80); for fp16 65520 (0x477ff000), halfway between 65504 (0x7bff) and 65536,
+  // again rounded to even, inf (0x7c00). Above inf's pattern lie the NaNs.
+  static constexpr uint32_t kNonfiniteFrom = std::is_same_v<O, float>    ? 0x7f800000u
+                                             : std::is_same_v<O, bf16_t> ? 0x7f7f8000u
+                                                                         : 0x477ff000u;
+
   // out[j] = in[j] (* scale); returns nonzero if a stored value is inf/nan (catches cast overflow).
+  // That is read from the fp32 value, not from the 16-bit one: the loop then stays in 32-bit lanes
+  // until the one narrowing store (comparing the narrowed bits made the vectorised loops widen them
+  // back and build the output twice, which cost more than the memory traffic on some CPUs).
   static DISTOPT_ALWAYS_INLINE uint32_t piece(const I* __restrict in, O* __restrict out, int64_t n, float scale) {
     uint32_t bad = 0;
     for (int64_t j = 0; j < n; ++j) {
       const float y = kScaled ? to_float(in[j]) * scale : to_float(in[j]);
+      const uint32_t magnitude = float_bits(y) & 0x7fffffffu;
+      bad |= magnitude >= kNonfiniteFrom;
       // Through the 16-bit pattern: a struct store would keep the loop from vectorising.
       if constexpr (std::is_same_v<O, float>) {
-        bad |= (float_bits(y) & 0x7f800000u) == 0x7f800000u;
         out[j] = y;
       } else if constexpr (std::is_same_v<O, bf16_t>) {
-        const uint16_t o = bf16_bits_from_float(y);
-        bad |= (o & 0x7f80u) == 0x7f80u;
-        reinterpret_cast<uint16_t*>(out)[j] = o;
+        reinterpret_cast<uint16_t*>(out)[j] = bf16_bits_from_float(y);
       } else {
-        const uint16_t o = half_bits_from_float(y);
-        bad |= (o & 0x7c00u) == 0x7c00u;
-        reinterpret_cast<uint16_t*>(out)[j] = o;
+        reinterpret_cast<uint16_t*>(out)[j] = half_bits_from_float(y);
       }
     }
     return bad;

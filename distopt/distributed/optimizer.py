@@ -115,10 +115,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     ``get_state_dict`` never takes its initialising zero-grad step): ``step`` (float32 scalar; with
     capturable, the live GPU counter) and ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D fp32
     tensors of this rank's elements of the param in its memory order, empty where it holds none (or
-    before the layout is built); views of the shard where it holds those values, else copies (a param
-    split over buckets; ``param`` of 16-bit params without stored masters). Frozen params read as {}.
-    torch.optim's hooks fire as on torch's optimizers. It cannot be deep-copied or pickled (it holds
-    process groups and hooks): use ``state_dict()``.
+    before the layout is built); views of the shard where it holds those values, else copies (``step``; a
+    param split over buckets; ``param`` of 16-bit params without stored masters). Writes that would
+    change nothing raise: in place to a copy, assigning keys. Frozen params read as {}. torch.optim's
+    hooks fire as on torch's optimizers. It cannot be deep-copied or pickled: use ``state_dict()``.
     """
 
     def __init__(

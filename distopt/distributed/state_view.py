@@ -5,6 +5,13 @@ torch.optim code treats ``opt.state`` as "the optimizer's per-param state": torc
 create it, so an always-empty mapping made every ``get_state_dict`` call take a hidden step; tools
 log or move its tensors. The view answers without any communication (only some ranks may look),
 from the buckets' shard state, and is never stored: every access builds fresh entries.
+
+So no write to the view may pass silently, since it would reach nothing: assigning an entry or a key
+of one raises (``StateEntry``), except writing back the very tensor that is there (torch.optim
+utilities, e.g. Lightning's state-to-device loop, do that); and the tensors that are copies rather
+than views of the shard (``step``; ``param`` of 16-bit params without stored masters; any tensor of a
+param split over buckets) are inference tensors, on which torch refuses in-place writes outside
+``torch.inference_mode()``. Views of the shard stay ordinary tensors: in-place writes reach it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,34 @@ if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import DistributedFusedAdam
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "param")
+_ENTRY_WRITE = (
+    "DistributedFusedAdam.state[p] is a read-only view of this rank's shard, built afresh on each access: "
+    "{what} would change nothing. Change a view's values in place (exp_avg, exp_avg_sq, and param where "
+    "the shard holds fp32 masters, e.g. opt.state[p]['exp_avg'].copy_(x)), or use load_state_dict()"
+)
+
+
+class StateEntry(dict):
+    """One param's entry of the view: a dict that refuses every write, which would reach nothing.
+    Writing back the very object that a key holds is accepted: it changes nothing, as intended."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not (key in self and dict.__getitem__(self, key) is value):
+            raise TypeError(_ENTRY_WRITE.format(what=f"assigning {key!r}"))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_ENTRY_WRITE.format(what="changing its keys"))
+
+    __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+
+    def __copy__(self) -> dict[str, Tensor]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict) -> dict[str, Tensor]:
+        return {k: v.clone() for k, v in self.items()}
+
+    def __reduce_ex__(self, protocol: int):
+        return (dict, (dict(self),))  # unpickles as a plain dict
 
 
 def fragment_master(b: BucketRuntime, f: Fragment, params: list[Tensor], pending: bool = False) -> Tensor:
@@ -73,25 +108,28 @@ class StateView(Mapping):
     def get(self, key: Any, default: Any = None) -> Any:
         return self[key] if key in self else default
 
-    def __getitem__(self, key: Any) -> dict[str, Tensor]:
+    def __getitem__(self, key: Any) -> StateEntry:
         opt = self._owner()
         index = opt._index.get(key) if isinstance(key, Tensor) else None
         if index is None:
-            return {}
-        if opt.capturable:
-            step = opt._step_tensor  # the live counter, on the GPU: reading it would synchronise
-        else:
-            step = torch.tensor(float(opt._step_count))
-        entry: dict[str, Tensor] = {"step": step}
-        parts = self._fragments_of(opt).get(index, [])
-        pending = set(opt._param_sync.pending)
-        for key_name in STATE_KEYS:
-            pieces = [self._piece(opt, b, f, key_name, b.index in pending) for b, f in parts]
-            if not pieces:
-                entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.state_device)
-            else:  # a param larger than a bucket has one fragment per bucket here: then a copy
-                entry[key_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return entry
+            return StateEntry()
+        # Inference mode: the copies made here are inference tensors, which refuse in-place writes
+        # outside it; views of ordinary tensors made here stay ordinary (writes reach the shard).
+        with torch.inference_mode():
+            if opt.capturable:
+                step = opt._step_tensor  # the live counter, on the GPU: reading it would synchronise
+            else:
+                step = torch.tensor(float(opt._step_count))
+            entry = {"step": step}
+            parts = self._fragments_of(opt).get(index, [])
+            pending = set(opt._param_sync.pending)
+            for key_name in STATE_KEYS:
+                pieces = [self._piece(opt, b, f, key_name, b.index in pending) for b, f in parts]
+                if not pieces:
+                    entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.state_device)
+                else:  # a param larger than a bucket has one fragment per bucket here: then a copy
+                    entry[key_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return StateEntry(entry)
 
     @staticmethod
     def _piece(opt: DistributedFusedAdam, b: BucketRuntime, f: Fragment, key: str, pending: bool) -> Tensor:
@@ -111,8 +149,8 @@ class StateView(Mapping):
         return self._fragments or {}
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        raise TypeError("DistributedFusedAdam.state is a read-only view of the sharded state: change the tensors "
-                        "in place, or use load_state_dict()")
+        raise TypeError("DistributedFusedAdam.state is a read-only view of the sharded state: change the shard's "
+                        "views in place (see StateEntry), or use load_state_dict()")
 
     __delitem__ = __setitem__
 

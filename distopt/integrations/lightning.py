@@ -192,6 +192,17 @@ class _StrategyMixin:
             states.append(sd)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
+    def teardown(self) -> None:
+        # Lightning moves every optimizer's state to the CPU here by assigning opt.state[p][key]. A
+        # DistributedFusedAdam's state is a view of its shards, which refuses writes that would do
+        # nothing: leave it out (its shards stay where they are, as they always did).
+        kept = self.optimizers
+        self.optimizers = [o for o in kept if not isinstance(_unwrap(o), DistributedFusedAdam)]
+        try:
+            super().teardown()
+        finally:
+            self.optimizers = kept
+
     def on_train_end(self) -> None:
         # overlap_param_sync defers the last all-gather to a forward that never comes: the model must
         # leave fit() stepped. (model.state_dict(), so checkpoints, lands it by itself.)

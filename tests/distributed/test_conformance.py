@@ -289,8 +289,38 @@ def view_of_state(rank: int, world_size: int, name: str) -> dict:
             entry[key] = value.to("cpu")
     with pytest.raises(TypeError, match="read-only"):
         opt.state[params[0]] = {}
+    refusals = entry_writes_refused(opt, params + [model[2].bias])
     return dict(fresh=fresh, ranges=ranges, views=views, sd=sd, is_view=is_view, filled=filled,
-                step=opt.step_count)
+                step=opt.step_count, refusals=refusals)
+
+
+def entry_writes_refused(opt: DistributedFusedAdam, params: list) -> list[str]:
+    """Every write that would reach nothing raises: assigning or deleting keys of an entry (also of a
+    frozen param's empty one), and in-place writes to the entries' copies (not views of the shard).
+    Returns what went wrong (empty: all refused)."""
+    wrong = []
+    for i, p in enumerate(params):
+        entry = opt.state[p]
+        for name, write in [("assign", lambda e: e.__setitem__("exp_avg", torch.zeros(3))),
+                            ("del", lambda e: e.__delitem__("step")), ("update", lambda e: e.update(step=1)),
+                            ("pop", lambda e: e.pop("step")), ("setdefault", lambda e: e.setdefault("x", 1)),
+                            ("clear", lambda e: e.clear())]:  # fmt: skip
+            try:
+                write(entry)
+                wrong.append(f"param {i}: {name} passed")
+            except TypeError as exc:
+                if "would change nothing" not in str(exc):
+                    wrong.append(f"param {i}: {name}: {exc}")
+        for key, value in entry.items():
+            is_copy = value._base is None  # not a view of the shard (or of the model param)
+            try:
+                value.add_(0.0)
+                if is_copy:
+                    wrong.append(f"param {i}: in-place write to the copy {key!r} passed")
+            except RuntimeError as exc:
+                if not is_copy or "inference tensor" not in str(exc):
+                    wrong.append(f"param {i}: {key!r}: {exc}")
+    return wrong
 
 
 @pytest.mark.parametrize("name", list(VIEW_SETUPS))
@@ -300,7 +330,7 @@ def test_state_view_holds_this_ranks_part(name):
     keys = sorted(sd["state"])  # positions in param_groups of the trainable params, in order
     for r in results:
         assert all(entry["step"] == ((), 0.0) and entry["exp_avg"] == ((0,), 0.0) for entry in r["fresh"].values())
-        assert r["filled"]
+        assert r["filled"] and r["refusals"] == [], r["refusals"]
         for i, g in enumerate(keys):
             assert r["views"][i]["step"].item() == r["step"] == 2
             for key in ("exp_avg", "exp_avg_sq", "param"):

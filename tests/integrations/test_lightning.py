@@ -374,3 +374,43 @@ def test_fresh_process_imports_and_unpickles() -> None:
             "s = pickle.load(sys.stdin.buffer); p = s.precision_plugin; "
             "assert isinstance(s, dl.DistributedFusedAdamStrategy) and p.clip_gradients.plugin is p")
     subprocess.run([sys.executable, "-c", code], input=pickle.dumps(strategy), check=True, timeout=120)
+
+
+def _teardown_with_state_on_another_device(rank: int, world_size: int) -> dict:
+    """Lightning's teardown moves optimizer state by assigning opt.state[p][key]; on a GPU run that is a
+    move to another device (emulated here: "meta"), which DistributedFusedAdam's view refuses."""
+    import lightning.fabric.utilities.optimizer as lopt
+    import lightning.pytorch.strategies.strategy as lstrategy
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    model = nn.Linear(4, 2)
+    opt = dfa(model.parameters())
+    try:
+        lopt._optimizer_to_device(opt, torch.device("meta"))
+        refused = ""
+    except TypeError as exc:  # the view: the write would change nothing
+        refused = str(exc)
+    moved = []
+
+    def to_other_device(optimizers, device):
+        for o in optimizers:
+            moved.append(type(o).__name__)
+            lopt._optimizer_to_device(o, torch.device("meta"))
+
+    original = lstrategy._optimizers_to_device
+    lstrategy._optimizers_to_device = to_other_device
+    try:
+        env = LightningEnvironment()
+        strategy = strategy_class(LIGHTNING)(accelerator=CPUAccelerator(), cluster_environment=env)
+        strategy.optimizers = [opt]
+        strategy.teardown()
+    finally:
+        lstrategy._optimizers_to_device = original
+    return dict(refused=refused, moved=moved, kept=strategy.optimizers == [opt])
+
+
+def test_teardown_leaves_the_state_view_alone() -> None:
+    result = run_ranks(_teardown_with_state_on_another_device, 1)[0]
+    assert "would change nothing" in result["refused"]  # what stock teardown would hit on a GPU
+    assert result["moved"] == [] and result["kept"]
