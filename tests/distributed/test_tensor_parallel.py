@@ -15,11 +15,11 @@ Plain tensors as Megatron-LM/NeMo train them: ``model_parallel_process_group`` t
 duplicates left out as NeMo's filter does (``grad_norm(parameters=...)`` then ``clip_grad_norm(m)``,
 and ``clip_grad_norm(m, parameters=...)``). Negative controls: no model-parallel group, no filter.
 
-Checkpoints: ``opt.state_dict()`` (DTensors), torch's ``full_state_dict``, ``dcp.save`` of either form
-and ``checkpoint.save`` after 3 steps of 6, on 4 ranks; same-layout loads continue bit for bit in the
-same run; loads at dp=1 (2 ranks, same tp) give the saved state bit for bit and follow the
-uninterrupted run. Also: the refusals at construction, and a rank-agreement error for a tp layout
-that differs across data-parallel ranks.
+Checkpoints (tp_checkpoints.py): ``opt.state_dict()`` (DTensors), torch's ``full_state_dict``,
+``dcp.save`` of either form and ``checkpoint.save`` after 3 steps of 6, on 4 ranks; same-layout loads
+continue bit for bit in the same run; loads at dp=1 (2 ranks, same tp) give the saved state bit for bit
+and follow the uninterrupted run. Also: the refusals at construction, and a rank-agreement error for a
+tp layout that differs across data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -31,26 +31,18 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from tp_models import PlainTP, batch, dtensor_tp, mlp, nemo_filter, reference_of, rows
 
 from distopt import DistributedFusedAdam, dtensor
-from distopt.distributed import checkpoint
 
 import tolerances
 from harness import run_ranks
+from tp_checkpoints import load_run, save_run
+from tp_models import PlainTP, batch, dtensor_tp, local, mlp, nemo_filter, reference_of, rows
 
 DP = TP = 2
 STEPS = 6
@@ -69,20 +61,11 @@ def make_scaler() -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25, growth_interval=1)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
-
-
 def replicated(p: torch.Tensor) -> bool:
     """Whether every tensor-parallel rank holds the whole param (a Replicate DTensor, or a plain copy)."""
     if isinstance(p, DTensor):
         return not any(pl.is_shard() for pl in p.placements)
     return not getattr(p, "tensor_model_parallel", False)
-
-
-def coordinates(mesh) -> tuple[int, int]:
-    dp, tp = mesh.get_coordinate()
-    return dp, tp
 
 
 def snapshot(model: nn.Module, opt: DistributedFusedAdam) -> list[torch.Tensor]:
@@ -177,7 +160,7 @@ def agreement(model, norm: float, tp_group) -> list[str]:
 
 def dtensor_run(mesh, variant: str, control: bool = False) -> dict:
     """6 steps of the DTensor TP model with a GradScaler and two poisoned steps; differences found."""
-    dp, _ = coordinates(mesh)
+    dp, _ = mesh.get_coordinate()
     model, ref = dtensor_tp(mesh["tp"]), mlp()
     layouts = {n: (p.device_mesh, tuple(p.placements)) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     real = dtensor._reduction_groups
@@ -216,7 +199,7 @@ def dtensor_run(mesh, variant: str, control: bool = False) -> dict:
 def dtensor_subsets(mesh) -> list[str]:
     """``grad_norm(parameters=...)`` of DTensor params: each subset's norm in the unsharded model (its
     Shard params summed over tp, Replicate and plain ones once); apex's cache and ``force``."""
-    dp, _ = coordinates(mesh)
+    dp, _ = mesh.get_coordinate()
     model, ref = dtensor_tp(mesh["tp"]), mlp()
     opt = DistributedFusedAdam(model.parameters(), process_group=mesh["dp"].get_group(), bucket_cap_mb=TINY_BUCKET_MB)
     x, y = batch(0)
@@ -316,7 +299,7 @@ def refusals(mesh, groups: dict) -> dict[str, str | None]:
 def disagreeing_layouts(mesh) -> str | None:
     """Data-parallel row 1 leaves the row-parallel layer unsharded: the ranks of each data-parallel
     group disagree on that param's layout. Every rank must raise (None: it did not)."""
-    dp, _ = coordinates(mesh)
+    dp, _ = mesh.get_coordinate()
     model = mlp()
     if dp == 0:
         model = dtensor_tp(mesh["tp"])
@@ -330,90 +313,6 @@ def disagreeing_layouts(mesh) -> str | None:
     except ValueError as e:
         return str(e)
     return None
-
-
-# ---------------------------------------------------------------------- checkpoints
-
-
-def plain_step(model, opt, step: int, dp: int, dp_size: int) -> None:
-    x, y = batch(step)
-    nn.functional.mse_loss(model(rows(x, dp, dp_size)), rows(y, dp, dp_size)).backward()
-    opt.clip_grad_norm(MAX_NORM)
-    opt.step()
-    opt.zero_grad()
-
-
-def whole_state(opt) -> dict:
-    """``opt.state_dict()``'s state with every DTensor made whole (a collective: every rank calls it)."""
-    sd = opt.state_dict()
-    return {g: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
-            for g, entry in sd["state"].items()}
-
-
-def save_run(mesh, path: str) -> dict:
-    """Trains 3 steps, saves in every form, continues 3 steps with two twins loaded in memory (the
-    state_dict() form, torch's full_state_dict form): (saved state, final params, differences)."""
-    dp, _ = coordinates(mesh)
-
-    def build(seed: int):
-        model = dtensor_tp(mesh["tp"], seed)
-        return model, DistributedFusedAdam(model.parameters(), lr=1e-2, process_group=mesh["dp"].get_group(),
-                                           bucket_cap_mb=TINY_BUCKET_MB)
-
-    model, opt = build(0)
-    for step in range(3):
-        plain_step(model, opt, step, dp, DP)
-    sd = opt.state_dict()
-    kinds = {(type(v).__name__, isinstance(v, DTensor) and tuple(v.placements) == tuple(p.placements))
-             for p, entry in zip(model.parameters(), sd["state"].values()) for k, v in entry.items()
-             if k != "step" and isinstance(p, DTensor)}
-    saved = whole_state(opt)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/whole")
-    with checkpoint.sharded_state_dicts(opt):
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/sharded")
-    checkpoint.save(opt, f"{path}/distopt", extra={"model": model})
-    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-
-    twins = {"state_dict": build(1), "full_state_dict": build(1)}
-    for twin, _ in twins.values():
-        twin.load_state_dict(model.state_dict())
-    twins["state_dict"][1].load_state_dict(sd)
-    set_optimizer_state_dict(*twins["full_state_dict"], full, options=StateDictOptions(full_state_dict=True))
-    differ = []
-    for step in range(3, STEPS):
-        for m, o in [(model, opt), *twins.values()]:
-            plain_step(m, o, step, dp, DP)
-        for name, (twin, _) in twins.items():
-            if not all(torch.equal(local(p), local(q)) for p, q in zip(model.parameters(), twin.parameters())):
-                differ.append(f"{name} twin at step {step}")
-    final = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
-    return {"saved": saved, "final": final, "differ": differ, "kinds": kinds}
-
-
-def load_run(rank: int, world_size: int, path: str) -> dict:
-    """At dp=1, same tp: each saved form loaded into a fresh optimizer (other params, other buckets),
-    then steps 3-5 on the whole global batch: (state as loaded, final params) per form."""
-    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
-    out = {}
-    for form in ("whole", "sharded", "distopt"):
-        model = dtensor_tp(mesh["tp"], seed=1)
-        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, process_group=mesh["dp"].get_group(),
-                                   bucket_cap_mb=3 * TINY_BUCKET_MB)
-        if form == "distopt":
-            checkpoint.load(opt, f"{path}/distopt", extra={"model": model})
-        else:
-            with checkpoint.sharded_state_dicts(opt) if form == "sharded" else contextlib.nullcontext():
-                model_sd, optim_sd = get_state_dict(model, opt)
-                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}/{form}")
-                set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        loaded = whole_state(opt)
-        for step in range(3, STEPS):
-            plain_step(model, opt, step, 0, 1)
-        final = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
-        out[form] = {"loaded": loaded, "final": final}
-    return out
 
 
 # ---------------------------------------------------------------------- the launch

@@ -7,7 +7,7 @@ of a (dp, tp) mesh: Shard(0), Shard(1) and Replicate DTensor params, and plain o
 ``PlainTP``: the same layers as Megatron-LM builds them, with plain tensors and two autograd functions
 around the tensor-parallel region; its sharded params carry Megatron's ``tensor_model_parallel``.
 
-``reference_of(p)`` is this rank's part of the unsharded model's param that `p` stands for.
+``reference_of(model, name, ref)`` is this rank's part of the unsharded model's param that `name` stands for.
 """
 
 from __future__ import annotations
@@ -111,6 +111,11 @@ class PlainTP(nn.Module):
 
     def reference_of(self, p: Tensor, ref: nn.Module) -> Tensor:
         return self._slices[p](ref)
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local part (or the tensor itself), detached."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def reference_of(model: nn.Module, name: str, ref: nn.Module) -> Tensor:
