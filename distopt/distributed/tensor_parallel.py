@@ -57,8 +57,8 @@ def _ranks(group: Any) -> frozenset[int]:
 def check_params(params: list[Tensor], comm: Comm, model_parallel_group: Any) -> None:
     """Raises ValueError for DTensor params this optimizer cannot step (see dtensor.check_params), for one
     sharded along a mesh dimension that holds other ranks of the data-parallel group (FSDP2: sharded
-    twice), for a mesh dimension or a `model_parallel_group` that shares ranks with that group, or a
-    mesh dimension shared with `model_parallel_group` (the norm would count it twice)."""
+    twice; replicated along one is fine), for a `model_parallel_group` that shares ranks with that group,
+    and for a mesh dimension that shares ranks with `model_parallel_group` (the norm would count it twice)."""
     check_dtensor_params(params, OWNER, offload=False)
     data_parallel = _ranks(comm.process_group)
     model_parallel = _ranks(model_parallel_group) if model_parallel_group is not None else frozenset()
@@ -101,7 +101,7 @@ class LocalTensors(list):
     def check(self, numels: list[int]) -> None:
         """Raises if a param's size changed since the bucket layout was built for `numels` (one whole-list
         comparison; none before the layout), or a DTensor param's local tensor was replaced since the
-        optimizer was built (``p.data = ...``, ``module.to()``): the buckets would update the old one."""
+        optimizer was built (``module.to()``, ``torch.utils.swap_tensors``): the buckets would update the old one."""
         if numels and list(map(Tensor.numel, self)) != numels:
             for i, (t, numel) in enumerate(zip(self, numels)):
                 if t.numel() != numel:
@@ -110,7 +110,7 @@ class LocalTensors(list):
         current = map(operator.attrgetter("_local_tensor"), self._dtensors)
         if not all(map(operator.is_, current, self._locals)):
             raise RuntimeError(f"{OWNER}: a DTensor param's local tensor was replaced after the optimizer was built "
-                               "(p.data = ..., module.to()): build the optimizer after moving or converting the model")
+                               "(module.to(), swap_tensors): build the optimizer after moving or converting the model")
 
 
 def local_grad(p: Tensor) -> Tensor:
