@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
-from .dtensor import placed_like
+from .dtensor import is_dtensor, placed_like
 
 RESTORED = ("betas", "eps", "weight_decay")
 
@@ -144,11 +144,17 @@ def tensor_crc32(t: Tensor) -> int:
 
 
 def state_checksums(state: dict[Any, dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """{str(param key): {state key: crc32}} for every tensor in an optimizer's per-param state. Keyed
-    by text: torch.distributed.checkpoint loads a nested non-tensor value back under ``str(key)`` (a
-    template's int keys would keep the template's checksums)."""
-    return {str(k): {name: tensor_crc32(v) for name, v in entry.items() if isinstance(v, Tensor)}
+    """{str(param key): {state key: crc32}} for every plain tensor in an optimizer's per-param state.
+    Keyed by text: torch.distributed.checkpoint loads a nested non-tensor value back under ``str(key)``
+    (a template's int keys would keep the template's checksums). DTensors (of tensor-parallel params)
+    have none: their local values differ by rank, and torch.distributed.checkpoint keeps one rank's
+    copy of this dict."""
+    return {str(k): {name: tensor_crc32(v) for name, v in entry.items() if _checksummed(v)}
             for k, entry in state.items()}
+
+
+def _checksummed(value: Any) -> bool:
+    return isinstance(value, Tensor) and not is_dtensor(value)
 
 
 def check_state_checksums(state: dict[Any, dict[str, Any]], checksums: Any) -> None:
@@ -160,7 +166,7 @@ def check_state_checksums(state: dict[Any, dict[str, Any]], checksums: Any) -> N
     for k, entry in state.items():
         recorded = checksums.get(str(k), checksums.get(k))  # text keys since checksums were keyed by text
         for name, value in entry.items():
-            if not isinstance(value, Tensor):
+            if not _checksummed(value):
                 continue
             expected = recorded.get(name) if isinstance(recorded, dict) else None
             if expected is None:

@@ -66,7 +66,7 @@ def _describe(t: DTensor) -> str:
     return f"placements {tuple(t.placements)} on {t.device_mesh}"
 
 
-def _sharded(placement) -> bool:
+def is_sharded(placement) -> bool:
     # FSDP over a tensor-parallel dimension shards with _StridedShard, which is not is_shard() in torch 2.14.
     return placement.is_shard() or isinstance(placement, _StridedShard)
 
@@ -85,7 +85,7 @@ def check_params(params: Sequence[Tensor], owner: str, offload: bool) -> None:
             raise ValueError(f"{owner}: offload_optimizer=True does not support DTensor params (FSDP2, tensor "
                              "parallelism) yet")
         for placement in p.placements:
-            if not (_sharded(placement) or placement.is_replicate()):
+            if not (is_sharded(placement) or placement.is_replicate()):
                 raise ValueError(f"{owner}: a DTensor param must be sharded or replicated on each mesh dimension, "
                                  f"got {_describe(p)}")
         if p.device_mesh.get_coordinate() is None:
@@ -94,30 +94,31 @@ def check_params(params: Sequence[Tensor], owner: str, offload: bool) -> None:
             raise ValueError(f"{owner}: the local shard of a DTensor param must be dense (non-overlapping, no gaps)")
 
 
-def check_grad(p: DTensor, grad: Tensor) -> None:
-    """Raises unless `grad` is a DTensor laid out as its param `p` (mesh, placements, global shape)."""
+def check_grad(p: DTensor, grad: Tensor, owner: str = "FusedAdam") -> None:
+    """Raises unless `grad` is a DTensor laid out as its param `p` (mesh, placements, global shape);
+    `owner` (the optimizer's name) starts the message."""
     if not isinstance(grad, DTensor):
-        raise RuntimeError(f"FusedAdam: a DTensor param ({_describe(p)}) has a {type(grad).__name__} gradient; "
+        raise RuntimeError(f"{owner}: a DTensor param ({_describe(p)}) has a {type(grad).__name__} gradient; "
                            "it must be a DTensor with the param's mesh and placements")
     if grad._spec is p._spec or _same_layout(grad, p):
         return
     hint = ""
     if any(placement.is_partial() for placement in grad.placements):
         hint = " (a Partial gradient is an unreduced sum: redistribute it to the param's placements first)"
-    raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(grad.shape)} with {_describe(grad)} does not match "
+    raise RuntimeError(f"{owner}: a gradient of shape {tuple(grad.shape)} with {_describe(grad)} does not match "
                        f"its param ({tuple(p.shape)}, {_describe(p)}){hint}")
 
 
-def local_param_and_grad(p: Tensor) -> tuple[Tensor, Tensor]:
+def local_param_and_grad(p: Tensor, owner: str = "FusedAdam") -> tuple[Tensor, Tensor]:
     """(param, grad) as the kernel sees them: for a DTensor param, the local shards, after checking that
-    the grad is laid out as the param."""
+    the grad is laid out as the param (`owner` starts the error messages)."""
     grad = p.grad
     if not isinstance(p, DTensor):
         if isinstance(grad, DTensor):
-            raise RuntimeError(f"FusedAdam: a plain param of shape {tuple(p.shape)} has a DTensor gradient "
+            raise RuntimeError(f"{owner}: a plain param of shape {tuple(p.shape)} has a DTensor gradient "
                                f"({_describe(grad)})")
         return p, grad
-    check_grad(p, grad)
+    check_grad(p, grad, owner)
     return p._local_tensor, grad._local_tensor
 
 
@@ -174,7 +175,7 @@ def _reduction_groups(p: Tensor) -> tuple[tuple, tuple]:
         return (), ()
     mesh = p.device_mesh
     dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
-    return (tuple(mesh.get_group(d) for d in dims if _sharded(p.placements[d])),
+    return (tuple(mesh.get_group(d) for d in dims if is_sharded(p.placements[d])),
             tuple(mesh.get_group(d) for d in dims))
 
 
@@ -206,14 +207,17 @@ class NormReduction:
         """Whether this reduction was built for exactly these param objects, in this order."""
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
-    def local_sums(self, device: torch.device) -> tuple[Tensor, Tensor, str | None]:
+    def local_sums(self, device: torch.device, selected: frozenset[int] | None = None
+                   ) -> tuple[Tensor, Tensor, str | None]:
         """(sum of squares, inf/nan flag) per class of the current gradients' local shards (one l2norm
-        call per class and gradient dtype), and the error of a DTensor gradient laid out unlike its param
-        (None if none). Such a rank still takes part in the reduction, with nan sums and the inf flag
-        set, so that the others do not wait for it and skip the step; it raises after."""
-        lists: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        call per class, gradient dtype and selection), and the error of a DTensor gradient laid out
+        unlike its param (None if none). `selected` (indices into the params; None: all) limits the sums;
+        the flags cover every gradient. A rank with such an error still takes part in the reduction,
+        with nan sums and the inf flag set, so that the others do not wait for it and skip the step; it
+        raises after."""
+        lists: dict[tuple[int, torch.dtype, bool], list[Tensor]] = {}
         error = None
-        for p, k in zip(self.params, self.class_of):
+        for i, (p, k) in enumerate(zip(self.params, self.class_of)):
             g = p.grad
             if g is None:
                 continue
@@ -226,12 +230,13 @@ class NormReduction:
                 g = g._local_tensor
             if g.is_complex() or not g.is_contiguous():
                 g = norm_view(g)  # real and dense, as the L2-norm kernel takes it
-            lists.setdefault((k, g.dtype), []).append(g)
+            lists.setdefault((k, g.dtype, selected is None or i in selected), []).append(g)
         sums = torch.zeros(self.classes, dtype=torch.float32, device=device)
         flags = torch.zeros(self.classes, dtype=torch.float32, device=device)
-        for (k, _), grads in lists.items():
+        for (k, _, summed), grads in lists.items():
             total, _ = ops.l2norm(grads, found_inf=flags[k:k + 1])
-            sums[k] += total.square()
+            if summed:
+                sums[k] += total.square()
         if error is not None:
             sums.fill_(float("nan"))
             flags.fill_(1.0)
@@ -250,13 +255,14 @@ class NormReduction:
         return torch.stack([values[:self.classes].sum(), values[self.classes:].sum()])
 
 
-def norm_sq_and_flag(reduction: NormReduction | None, params: Sequence[Tensor], device: torch.device
-                     ) -> tuple[Tensor, NormReduction]:
+def norm_sq_and_flag(reduction: NormReduction | None, params: Sequence[Tensor], device: torch.device,
+                     selected: frozenset[int] | None = None) -> tuple[Tensor, NormReduction]:
     """([sum of squares, inf/nan flag] of `params`' gradients over the whole model, the reduction used):
-    `reduction` is reused while it holds the same params (pass the last one returned)."""
+    `reduction` is reused while it holds the same params (pass the last one returned); `selected`
+    (indices into `params`) limits the sum, not the flag."""
     if reduction is None or not reduction.holds(params):
         reduction = NormReduction(params)
-    sums, flags, error = reduction.local_sums(device)
+    sums, flags, error = reduction.local_sums(device, selected)
     sq_and_flag = reduction.reduce(sums, flags)
     if error is not None:
         raise RuntimeError(error)

@@ -366,12 +366,17 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         return tuple((id(g), g._version) for g in (dtensor.local(p.grad) for group in self.param_groups
                                                      for p in group["params"] if p.grad is not None))
 
-    def _norm_sq_and_flag(self) -> Tensor:
+    def _norm_sq_and_flag(self, subset: frozenset[int] | None = None) -> Tensor:
         """[sum of squares, inf/nan flag] of the current .grad tensors over the whole model: DTensor grads'
-        shards reduced over their meshes, each element counted once (distopt/dtensor.py)."""
+        shards reduced over their meshes, each element counted once (distopt/dtensor.py); the sum over
+        the params of `subset` (positions in param_groups) only."""
         params = [p for group in self.param_groups for p in group["params"]]
-        sq_and_flag, self._norm_reduction = dtensor.norm_sq_and_flag(self._norm_reduction, params, self._device)
+        sq_and_flag, self._norm_reduction = dtensor.norm_sq_and_flag(self._norm_reduction, params, self._device,
+                                                                     subset)
         return sq_and_flag
+
+    def _norm_index(self) -> dict[Tensor, int]:
+        return {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
     @staticmethod
     def _hyper(group: dict[str, Any], grad_scale: Tensor | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+_LAST = object()  # _raw_grad_norm's default subset: the norm last computed for these grads, whichever
 
 
 def count_step(steps: list[Tensor], found_inf: Tensor | None) -> None:
@@ -39,7 +40,8 @@ def count_step(steps: list[Tensor], found_inf: Tensor | None) -> None:
 
 
 class GradScaling:
-    """Mixin: subclasses call ``_init_grad_scaling(device)`` and implement ``_norm_sq_and_flag``."""
+    """Mixin: subclasses call ``_init_grad_scaling(device)`` and implement ``_norm_sq_and_flag``,
+    ``_grads_key`` and ``_norm_index``."""
 
     # GradScaler.step then calls our step() directly instead of unscaling .grad itself and skipping it.
     _step_supports_amp_scaling = True
@@ -54,12 +56,17 @@ class GradScaling:
         self._clips: list[tuple[float, Tensor]] = []  # (max_norm, returned norm) of this iteration
         self._scaler: weakref.ref | None = None
 
-    # Subclasses: [sum of squares, nonzero if any inf/nan] of the grads as stored, over every rank.
-    def _norm_sq_and_flag(self) -> Tensor:
+    # Subclasses: [sum of squares, nonzero if any inf/nan] of the grads as stored, over every rank; the
+    # sum over the params of `subset` only (indices into _norm_index(); None: all), the flag over all.
+    def _norm_sq_and_flag(self, subset: frozenset[int] | None = None) -> Tensor:
         raise NotImplementedError
 
     # Subclasses: a value that changes whenever the stored grads may have changed.
     def _grads_key(self):
+        raise NotImplementedError
+
+    # Subclasses: each param the norms cover -> its index (what `subset` holds).
+    def _norm_index(self) -> dict[Tensor, int]:
         raise NotImplementedError
 
     def _reset_grad_scaling(self) -> None:
@@ -70,31 +77,71 @@ class GradScaling:
         self._unscaled = False
         self._clips = []
 
-    def _raw_grad_norm(self) -> Tensor:
+    def _raw_grad_norm(self, subset=_LAST, force: bool = False) -> Tensor:
+        """The norm of the grads as stored (before the deferred factors), cached until they change: of
+        the params in `subset` (None: all), or by default the last one computed for these grads, of
+        whichever params (apex's cache, which a clip after ``grad_norm(parameters=...)`` relies on),
+        else of all. `force` recomputes. The inf/nan flag always covers every param."""
         key = self._grads_key()
-        if self._raw_norm is None or self._raw_norm_key != key:
-            sq_and_flag = self._norm_sq_and_flag()
-            self._raw_norm = sq_and_flag[0].sqrt()
-            self._raw_norm_key = key
-            torch.clamp(sq_and_flag[1], max=1.0, out=self._found_inf)
+        cached = not force and self._raw_norm is not None and self._raw_norm_key[0] == key
+        if subset is _LAST:
+            if cached:
+                return self._raw_norm
+            subset = None
+        elif cached and self._raw_norm_key[1] == subset:
+            return self._raw_norm
+        sq_and_flag = self._norm_sq_and_flag() if subset is None else self._norm_sq_and_flag(subset)
+        self._raw_norm = sq_and_flag[0].sqrt()
+        self._raw_norm_key = (key, subset)
+        torch.clamp(sq_and_flag[1], max=1.0, out=self._found_inf)
         return self._raw_norm
+
+    def _norm_subset(self, parameters) -> frozenset[int] | None:
+        """The indices of `parameters` (a param or an iterable of them) in ``_norm_index()``; None if
+        they are all of them. Params that do not require grad are left out (they have no gradient);
+        any other tensor that is not one of the optimizer's params raises (apex does too)."""
+        if isinstance(parameters, Tensor):
+            parameters = [parameters]
+        elif isinstance(parameters, (int, float)):
+            raise TypeError(f"parameters must be a param or an iterable of params, got {parameters!r} (the "
+                            "signatures are apex's: grad_norm(parameters=None, norm_type=2.0, force=False), "
+                            "clip_grad_norm(max_norm, parameters=None, norm_type=2.0); pass norm_type by keyword)")
+        index = self._norm_index()
+        chosen = set()
+        for j, p in enumerate(parameters):
+            i = index.get(p) if isinstance(p, Tensor) else None
+            if i is not None:
+                chosen.add(i)
+            elif not isinstance(p, Tensor) or p.requires_grad:
+                what = f"a param of shape {tuple(p.shape)}" if isinstance(p, Tensor) else f"a {type(p).__name__}"
+                raise ValueError(f"parameters[{j}] is {what} that this optimizer does not update: a grad norm "
+                                 "covers the optimizer's own params only")
+        return None if len(chosen) == len(index) else frozenset(chosen)
 
     def deferred_grad_scale(self) -> Tensor:
         """The factor the next update multiplies the stored grads by (inverse loss scale x clip)."""
         return self._inv_scale * self._clip_coef
 
-    def grad_norm(self) -> Tensor:
+    def grad_norm(self, parameters=None, norm_type: float = 2.0, force: bool = False) -> Tensor:
         """Global L2 norm of the gradients as the next update will apply them (unscaled, clipped):
-        a float32 device tensor. Also sets the inf/nan flag. Cached until the grads change."""
+        a float32 device tensor. Also sets the inf/nan flag (of every param). Cached until the grads
+        change (`force` recomputes). As apex's: `parameters` (a subset of the optimizer's params, e.g.
+        without the copies a model-parallel rank holds of replicated params) limits the sum to them;
+        without it, the norm last computed for these grads is returned, of whichever params, so that
+        ``grad_norm(parameters=...)`` then ``clip_grad_norm(max_norm)`` clips by the subset's norm."""
+        if float(norm_type) != 2.0:
+            raise NotImplementedError(f"grad_norm supports the L2 norm only, got norm_type={norm_type}")
+        subset = _LAST if parameters is None else self._norm_subset(parameters)
         self._catch_up_with_scaler()
-        return self._raw_grad_norm() * self.deferred_grad_scale().abs()
+        return self._raw_grad_norm(subset, force) * self.deferred_grad_scale().abs()
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> Tensor:
         """Like ``torch.nn.utils.clip_grad_norm_``: returns the norm before clipping and scales the
-        gradients (lazily, in the update) by ``min(1, max_norm / (norm + 1e-6))``."""
+        gradients (lazily, in the update) by ``min(1, max_norm / (norm + 1e-6))``. The norm is
+        ``grad_norm(parameters)``'s (apex's signature)."""
         if float(norm_type) != 2.0:
             raise NotImplementedError(f"clip_grad_norm supports the L2 norm only, got norm_type={norm_type}")
-        norm = self.grad_norm()
+        norm = self.grad_norm(parameters)
         self._clips.append((float(max_norm), norm))
         self._clip_coef.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
         return norm

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .comm import Comm
+from .tensor_parallel import layout_text
 
 if TYPE_CHECKING:
     from .optimizer import DistributedFusedAdam
@@ -61,12 +62,15 @@ def _float(value: Any) -> str:
 
 def fingerprint(opt: DistributedFusedAdam) -> list[Entry]:
     """(description, value) entries for what must agree across ranks: group sizes, options, each param
-    group's hyperparameters and size, each trainable param's shape, dtype, strides and sync dtypes."""
+    group's hyperparameters and size, each trainable param's shape, dtype, strides and sync dtypes, and
+    a DTensor param's layout and local shape (its tensor-parallel rank's part, which the buckets hold)."""
     comm = opt.comm
+    mp = opt.model_parallel_process_group
     entries: list[Entry] = [
         ("data-parallel group size", str(dist.get_world_size(comm.process_group))),
         ("shard group size", str(comm.dist_size)),
         ("redundant group size", str(comm.redundant_size)),
+        ("model-parallel group size", str(dist.get_world_size(mp) if mp is not None else 1)),
     ]
     for name in OPTIONS:
         value = getattr(opt, name)
@@ -99,6 +103,11 @@ def fingerprint(opt: DistributedFusedAdam) -> list[Entry]:
                 (f"{where} grad sync dtype", str(opt._grad_dtype(p))),
                 (f"{where} param sync dtype", str(opt._param_dtype(p))),
             ]
+            layout = layout_text(p)
+            if layout is not None:
+                t = opt._tensors[opt._index[p]]
+                entries += [(f"{where} layout", layout), (f"{where} local shape", _describe(tuple(t.shape))),
+                            (f"{where} local strides", _describe(t.stride()))]
     return entries
 
 

@@ -80,12 +80,13 @@ from .checkpoint_extra import (
 from .comm import Comm
 from .dcp_sharded import ShardedParamState, sharded_state_dicts  # noqa: F401 (re-exported: the public name)
 from .state_view import fragment_master
+from .tensor_parallel import check_saved_layout, checkpoint_group, chunk_name, layout_text, local_value, param_state
 
 FORMAT = "distopt.per_param.v1"
 SHARDED_FORMAT = "distopt.sharded.v2"
 UNVERIFIED_SHARDED_FORMAT = "distopt.sharded.v1"  # before checksums
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-_FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+)\.(param|exp_avg|exp_avg_sq)\.(\d+)$")
+_FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+(?:@\d+(?:_\d+)*)?)\.(param|exp_avg|exp_avg_sq)\.(\d+)$")
 
 # A source of saved values: (param index in param_groups, state key, first element in memory order,
 # count) -> a 1-D fp32 CPU tensor, or None where the checkpoint holds nothing for that param.
@@ -100,6 +101,8 @@ class ShardedOptimizer(Protocol):
     step_count: int
 
     def checkpoint_params(self) -> list[Tensor]: ...
+
+    def checkpoint_tensors(self) -> list[Tensor]: ...
 
     def checkpoint_indices(self) -> list[int]: ...
 
@@ -140,7 +143,7 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
         return {"state": dcp_sharded.sharded_state(opt), "param_groups": _groups_out(opt)}
     keep = not gather_on_rank0 or dist.get_rank(opt.comm.process_group) == 0
     buckets = opt.shard_buckets(build=False)
-    params = opt.checkpoint_params()
+    params = opt.checkpoint_tensors()  # a DTensor param's local tensor: its state is made whole below
     # One state key of one bucket at a time is gathered, and each piece goes straight into its
     # param-shaped tensor (in the param's memory order): besides the result (the whole state, on the
     # CPU), the extra memory is one bucket of fp32 (and its CPU copy; plus one shard for masters that
@@ -164,7 +167,8 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
         for entry, p in zip(out, params):
             entry["param"].copy_(p.detach())
     step = float(opt.step_count)
-    state = {g: {"step": torch.tensor(step), **out[i]} for i, g in enumerate(opt.checkpoint_indices())}
+    state = {g: {"step": torch.tensor(step), **{k: param_state(p, t) for k, t in out[i].items()}}
+             for i, (g, p) in enumerate(zip(opt.checkpoint_indices(), opt.checkpoint_params()))}
     return {"state": state, "param_groups": _groups_out(opt), "format": FORMAT, CHECKSUMS: state_checksums(state)}
 
 
@@ -191,8 +195,8 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         raise ValueError(f"not an optimizer state dict this optimizer can load (format {fmt!r}; expected "
                          f"{FORMAT!r} or a torch.optim state dict with 'state' and 'param_groups')")
     check_saved_groups(opt.param_groups, sd["param_groups"])
-    params = opt.checkpoint_params()
-    by_global = {g: params[i] for i, g in enumerate(opt.checkpoint_indices())}
+    params, tensors = opt.checkpoint_params(), opt.checkpoint_tensors()
+    by_global = {g: (params[i], tensors[i]) for i, g in enumerate(opt.checkpoint_indices())}
     positions = _saved_positions(sd["param_groups"])
     per_param: dict[int, dict[str, Tensor]] = {}
     steps = set()
@@ -206,7 +210,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if not isinstance(entry, dict) or k not in entry]
         if missing:
             raise ValueError(f"state of param {key!r} lacks {missing}")
-        p = by_global[g]
+        p = by_global[g][0]
         per_param[g] = {}
         for k in STATE_KEYS:
             if k in entry:
@@ -216,7 +220,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"state {k!r} of param {key!r} has shape {tuple(t.shape)}, "
                                      f"the param {tuple(p.shape)}")
-                per_param[g][k] = t
+                per_param[g][k] = t if isinstance(t, ShardedParamState) else local_value(p, t, f"state {k!r}")
         steps.add(_step_of(entry["step"], key))
     if CHECKSUMS in sd:  # absent in torch's and FusedAdam's state dicts: nothing to verify there
         check_state_checksums(sd["state"], sd[CHECKSUMS])
@@ -234,7 +238,8 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         if isinstance(t, ShardedParamState):  # this rank's elements, checked by check_covers
             return t.values(offset, numel)
         if (g, key) not in in_memory_order:
-            in_memory_order[g, key] = flat(torch.empty_like(by_global[g], dtype=torch.float32, device="cpu").copy_(t))
+            like = torch.empty_like(by_global[g][1], dtype=torch.float32, device="cpu")  # a DTensor's local chunk
+            in_memory_order[g, key] = flat(like.copy_(t))
         return in_memory_order[g, key][offset : offset + numel]
 
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
@@ -277,7 +282,7 @@ def _apply(opt: ShardedOptimizer, source: Source, step: int, saved_groups: list[
     """Rewrites the shards (in place), the model params (from the masters) and the hyperparameters."""
     buckets = opt.shard_buckets()
     opt.zero_grad()
-    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
+    index, params = opt.checkpoint_indices(), opt.checkpoint_tensors()
     for b in buckets:
         # Copies: padding stays as it is, and params without a saved master keep theirs.
         new = dict(zip(STATE_KEYS, (t.clone() for t in b.read_state(params))))
@@ -300,10 +305,11 @@ def _apply(opt: ShardedOptimizer, source: Source, step: int, saved_groups: list[
 
 def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint for torch.distributed.checkpoint: each owned range of each
-    param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under
-    ``checksum.<param>.<key>.<first element>``, plus what every rank shares (``meta``)."""
+    param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under ``checksum.<param>...``
+    (<param>: tensor_parallel.chunk_name), plus what every rank shares (``meta``)."""
     buckets = opt.shard_buckets()
-    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
+    index, params, tensors = opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()
+    names = [chunk_name(g, p) for g, p in zip(index, params)]
     out: dict[str, Any] = {}
     for b in buckets:
         for f in b.fragments:
@@ -311,11 +317,11 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             # only the masters of 16-bit params without stored ones are computed here. CPU views go
             # through exact storages, which dcp's file writer does not clone (dcp_sharded.exact_storage);
             # it copies GPU tensors to the CPU, keeping the copies until the rank's file is closed.
-            values = {"param": fragment_master(b, f, params),
+            values = {"param": fragment_master(b, f, tensors),
                       "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
                       "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel]}
             for key in STATE_KEYS:
-                name = f"{index[f.param]}.{key}.{f.param_offset}"
+                name = f"{names[f.param]}.{key}.{f.param_offset}"
                 out[f"state.{name}"] = t = dcp_sharded.exact_storage(values[key].detach())
                 out[f"checksum.{name}"] = torch.tensor([tensor_crc32(t)], dtype=torch.int64)
     # One leaf (JSON text): torch.distributed.checkpoint would otherwise flatten the nested structure.
@@ -323,6 +329,7 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
         "step": opt.step_count,
         "param_groups": _groups_out(opt),
         "params": {index[i]: [list(p.shape), list(p.stride())] for i, p in enumerate(params)},
+        "layouts": {index[i]: layout_text(p) for i, p in enumerate(params) if layout_text(p) is not None},
     })
     out["meta"] = json.dumps({"format": SHARDED_FORMAT, "crc32": zlib.crc32(body.encode()), "body": body})
     return out
@@ -334,7 +341,7 @@ def save(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     (atomic_replace.py): written beside `checkpoint_id`, then switched in atomically; a rank killed at
     any moment leaves the previous checkpoint or the new one there, complete, and a failure on any rank
     raises on every rank and leaves the previous one as it was."""
-    group = opt.comm.process_group
+    group = checkpoint_group(opt)
     targets = _targets(extra)
     optim = sharded_state_dict(opt)
 
@@ -351,7 +358,7 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
     on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
     the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
-    group = opt.comm.process_group
+    group = checkpoint_group(opt)
     checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra
     targets = _targets(extra)
@@ -376,12 +383,13 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
 
     # Read everything into fresh tensors: dcp.load writes in place, and may fail halfway.
     index = opt.checkpoint_indices()
+    names = {g: chunk_name(g, p) for g, p in zip(index, opt.checkpoint_params())}
     needed: dict[str, Any] = {}
     for b in opt.shard_buckets():
         for f in b.fragments:
             for key in STATE_KEYS:
-                for start, n in _overlapping(saved[(index[f.param], key)], f.param_offset, f.numel):
-                    name = f"{index[f.param]}.{key}.{start}"
+                for start, n in _overlapping(saved[(names[index[f.param]], key)], f.param_offset, f.numel):
+                    name = f"{names[index[f.param]]}.{key}.{start}"
                     needed[f"state.{name}"] = torch.empty(n, dtype=torch.float32)
                     if verified:
                         needed[f"checksum.{name}"] = torch.empty(1, dtype=torch.int64)
@@ -418,9 +426,9 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
 
     def source(g: int, key: str, offset: int, numel: int) -> Tensor:
         out = torch.empty(numel, dtype=torch.float32)
-        for start, n in _overlapping(saved[(g, key)], offset, numel):
+        for start, n in _overlapping(saved[(names[g], key)], offset, numel):
             lo, hi = max(start, offset), min(start + n, offset + numel)
-            out[lo - offset : hi - offset] = needed[f"state.{g}.{key}.{start}"][lo - start : hi - start]
+            out[lo - offset : hi - offset] = needed[f"state.{names[g]}.{key}.{start}"][lo - start : hi - start]
         return out
 
     _apply(opt, source, int(meta["step"]), meta["param_groups"])
@@ -445,40 +453,42 @@ def _parse_meta(text: str, checkpoint_id: str) -> tuple[dict[str, Any], bool]:
     return json.loads(body), True
 
 
-def _saved_fragments(md: Metadata) -> dict[tuple[int, str], list[tuple[int, int]]]:
-    """(param, key) -> [(first element, count)] of every range in the checkpoint."""
-    out: dict[tuple[int, str], list[tuple[int, int]]] = {}
+def _saved_fragments(md: Metadata) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    """(param's chunk_name, key) -> [(first element, count)] of every range in the checkpoint."""
+    out: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for fqn, entry in md.state_dict_metadata.items():
         m = _FRAGMENT_KEY.match(fqn)
         if m:
             ok = isinstance(entry, TensorStorageMetadata) and len(entry.size) == 1 \
                 and entry.properties.dtype == torch.float32
             n = int(entry.size[0]) if ok else -1  # -1: not a range of this format, refused by the coverage check
-            out.setdefault((int(m.group(1)), m.group(2)), []).append((int(m.group(3)), n))
+            out.setdefault((m.group(1), m.group(2)), []).append((int(m.group(3)), n))
     return out
 
 
 def _check_coverage(opt: ShardedOptimizer, checkpoint_id: str, meta: dict[str, Any],
-                    saved: dict[tuple[int, str], list[tuple[int, int]]], md: Metadata | None) -> None:
-    """Every param has the saved shape and memory format, and each of its state tensors is tiled
-    exactly once by saved ranges (each with its checksum, where `md` is given)."""
-    for g, p in zip(opt.checkpoint_indices(), opt.checkpoint_params()):
+                    saved: dict[tuple[str, str], list[tuple[int, int]]], md: Metadata | None) -> None:
+    """Every param has the saved shape, memory format and DTensor layout, and each of its state tensors
+    (a DTensor's local chunk) is tiled exactly once by saved ranges (with checksums, where `md` is given)."""
+    for g, p, t in zip(opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()):
         shape, stride = (tuple(x) for x in meta["params"].get(str(g), ((), ())))
         if shape != tuple(p.shape):
             raise ValueError(f"param {g} has shape {tuple(p.shape)}, the checkpoint {shape}")
         if stride != tuple(p.stride()):
             raise ValueError(f"param {g} was saved in another memory format (strides {stride}, now "
                              f"{tuple(p.stride())}): load the per-param state_dict() form instead")
+        check_saved_layout(g, p, meta.get("layouts", {}).get(str(g)))
+        name = chunk_name(g, p)
         for key in STATE_KEYS:
             end = 0
-            for start, n in sorted(saved.get((g, key), [])):
+            for start, n in sorted(saved.get((name, key), [])):
                 if start != end or n < 0:
                     break
-                if md is not None and f"optim.checksum.{g}.{key}.{start}" not in md.state_dict_metadata:
-                    raise ValueError(f"{checkpoint_id}: {key} of param {g} has no checksum for elements {start}+")
+                if md is not None and f"optim.checksum.{name}.{key}.{start}" not in md.state_dict_metadata:
+                    raise ValueError(f"{checkpoint_id}: {key} of param {name} has no checksum for elements {start}+")
                 end += n
-            if end != p.numel():
-                raise ValueError(f"{checkpoint_id}: the saved {key} of param {g} does not cover its {p.numel()} "
+            if end != t.numel():
+                raise ValueError(f"{checkpoint_id}: the saved {key} of param {name} does not cover its {t.numel()} "
                                  f"elements exactly once (a 1-D float32 range each)")
 
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from .boxes import Box, box_view, boxes, memory_order
 from .state_view import fragment_master
+from .tensor_parallel import chunk_origin
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import ShardedOptimizer
@@ -84,8 +85,9 @@ def exact_storage(t: Tensor) -> Tensor:
 class ShardedParamState(Tensor):
     """One state tensor of one param (fp32, the param's shape) of which this rank holds the flat ranges
     (in the param's memory order) given as ``ranges``: [(first element, 1-D values)], views of the
-    optimizer's shard. Implements torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything
-    else raises a TypeError.
+    optimizer's shard. For a DTensor param, the ranges are of this rank's local chunk of it (of
+    ``local_shape`` and ``stride``, at offsets ``origin`` in the param's global ``shape``). Implements
+    torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything else raises a TypeError.
 
     dcp.save reads the views. dcp.load plans its reads through ``__create_chunk_list__`` (which dcp.save
     never calls): from then on the tensor holds a CPU copy of its values, which dcp.load overwrites,
@@ -93,6 +95,8 @@ class ShardedParamState(Tensor):
     ``set_state_dict``/``load_state_dict`` (which checks everything, then applies it), changes nothing."""
 
     _ranges: tuple[tuple[int, Tensor], ...]
+    _local_shape: tuple[int, ...]
+    _origin: tuple[int, ...]
     _stride: tuple[int, ...]
     _order: tuple[int, ...]
     _boxes: tuple[tuple[Box, Tensor], ...]
@@ -100,11 +104,14 @@ class ShardedParamState(Tensor):
 
     @staticmethod
     def __new__(
-        cls, shape: torch.Size, stride: tuple[int, ...], device: torch.device, ranges: list[tuple[int, Tensor]]
+        cls, shape: torch.Size, stride: tuple[int, ...], device: torch.device, ranges: list[tuple[int, Tensor]],
+        local_shape: tuple[int, ...] | None = None, origin: tuple[int, ...] | None = None,
     ) -> ShardedParamState:
         self = Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=device)
+        self._local_shape = tuple(shape if local_shape is None else local_shape)
+        self._origin = tuple(origin) if origin is not None else (0,) * len(shape)
         self._stride = tuple(stride)
-        self._order = memory_order(shape, stride)
+        self._order = memory_order(self._local_shape, stride)
         self._copied = False
         self._hold(ranges)
         return self
@@ -114,7 +121,7 @@ class ShardedParamState(Tensor):
         self._boxes = tuple(
             (box, values[box.start - first : box.start - first + box.numel])
             for first, values in self._ranges
-            for box in boxes(self.shape, self._stride, first, first + values.numel())
+            for box in boxes(self._local_shape, self._stride, first, first + values.numel())
         )
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -144,7 +151,7 @@ class ShardedParamState(Tensor):
         properties = TensorProperties(dtype=torch.float32)
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size(box.offsets), i),
+                index=MetadataIndex(fqn, torch.Size(self._at(box)), i),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
             )
@@ -159,16 +166,19 @@ class ShardedParamState(Tensor):
         return self._chunks()
 
     def _chunks(self) -> list[ChunkStorageMetadata]:
-        return [
-            ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)) for box, _ in self._boxes
-        ]
+        return [ChunkStorageMetadata(offsets=torch.Size(self._at(box)), sizes=torch.Size(box.sizes))
+                for box, _ in self._boxes]
+
+    def _at(self, box: Box) -> tuple[int, ...]:
+        """A box's offsets in the whole param."""
+        return tuple(o + a for o, a in zip(box.offsets, self._origin))
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         """The box at ``index.offset``: a view of this rank's values (dcp.save reads it, dcp.load
         writes it)."""
         hint = index.index
-        if hint is None or not (0 <= hint < len(self._boxes)) or self._boxes[hint][0].offsets != tuple(index.offset):
-            hint = next((i for i, (b, _) in enumerate(self._boxes) if b.offsets == tuple(index.offset or ())), None)
+        if hint is None or not (0 <= hint < len(self._boxes)) or self._at(self._boxes[hint][0]) != tuple(index.offset):
+            hint = next((i for i, (b, _) in enumerate(self._boxes) if self._at(b) == tuple(index.offset or ())), None)
             if hint is None:
                 raise ValueError(f"{index.fqn}: this rank holds no box at offsets {index.offset}")
         box, values = self._boxes[hint]
@@ -200,12 +210,12 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
     float32 scalar, as torch.optim's) and a ShardedParamState per key. Builds the bucket layout where
     there is none yet (a collective: every rank calls it)."""
     buckets = opt.shard_buckets()
-    params = opt.checkpoint_params()
+    params, tensors = opt.checkpoint_params(), opt.checkpoint_tensors()
     ranges: list[dict[str, list[tuple[int, Tensor]]]] = [{k: [] for k in STATE_KEYS} for _ in params]
     for b in buckets:
         for f in b.fragments:
             values = {
-                "param": fragment_master(b, f, params),
+                "param": fragment_master(b, f, tensors),
                 "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
                 "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel],
             }
@@ -214,20 +224,20 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
     step = float(opt.step_count)
     device = buckets[0].state.exp_avg.device if buckets else params[0].device  # the host, with offload
     state: dict[int, dict[str, Tensor]] = {}
-    for g, p, held in zip(opt.checkpoint_indices(), params, ranges):
+    for g, p, t, held in zip(opt.checkpoint_indices(), params, tensors, ranges):
         state[g] = {"step": torch.tensor(step)}
         for key in STATE_KEYS:
             if p.numel() == 0:  # no rank holds any of it: a plain empty tensor, saved once
                 state[g][key] = torch.zeros(p.shape, dtype=torch.float32)
-            else:
-                state[g][key] = ShardedParamState(p.shape, p.stride(), device, held[key])
+            else:  # a DTensor param's: ranges of this rank's local chunk t, placed in the whole param
+                state[g][key] = ShardedParamState(p.shape, t.stride(), device, held[key], t.shape, chunk_origin(p))
     return state
 
 
 def check_covers(opt: ShardedOptimizer, per_param: dict[int, dict[str, Tensor]]) -> None:
     """ValueError unless every ShardedParamState in `per_param` (param position -> key -> tensor) holds,
     in this param's memory order, every element of it this rank needs."""
-    index, params = opt.checkpoint_indices(), opt.checkpoint_params()
+    index, params = opt.checkpoint_indices(), opt.checkpoint_tensors()
     for b in opt.shard_buckets():
         for f in b.fragments:
             g = index[f.param]

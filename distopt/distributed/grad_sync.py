@@ -38,13 +38,15 @@ from torch import Tensor
 from .buckets import BucketRuntime, flat_like
 from .comm import Comm
 from .layout import Layout
+from .tensor_parallel import as_grad, local_grad
 
 
 class GradSync:
     def __init__(self, comm: Comm, params: list[Tensor], overlap: bool, pipeline_size: int,
-                 contiguous_grad_buffer: bool, average: bool) -> None:
+                 contiguous_grad_buffer: bool, average: bool, tensors: list[Tensor] | None = None) -> None:
         self.comm = comm
         self.params = params
+        self.tensors = params if tensors is None else tensors  # what the buckets hold (tensor_parallel.py)
         self.index = {p: i for i, p in enumerate(params)}
         self.overlap = overlap
         self.pipeline_size = pipeline_size
@@ -114,30 +116,31 @@ class GradSync:
 
     def _accumulate(self, i: int, p: Tensor, syncing: bool) -> None:
         """Moves p.grad into its bucket(s) and frees it (or leaves it a view of the bucket)."""
-        grad = p.grad
+        grad = local_grad(p)  # a DTensor param's: its local part, laid out as the param's
         if grad.is_sparse:
             raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         if grad.requires_grad:  # backward(create_graph=True): the buckets take values, not history
             grad = grad.detach()
         pieces = self.layout.param_pieces[i]
-        src = flat_like(grad, p) if len(pieces) > 1 else None  # one piece is the whole param
+        t = self.tensors[i]
+        src = flat_like(grad, t) if len(pieces) > 1 else None  # one piece is the whole param
         was_view = i in self._grad_views
         for piece in pieces:
             bucket = self.buckets[piece.bucket]
             if bucket.launched:  # still reducing the previous micro-batch: finish it first
                 self._in_flight.remove(bucket)
                 self._finish(bucket)
-            if was_view and flat_like(grad, p).data_ptr() != bucket.grad_view(piece).data_ptr():
+            if was_view and flat_like(grad, t).data_ptr() != bucket.grad_view(piece).data_ptr():
                 bucket.written.discard(i)  # autograd replaced our view by view + new grad: copy the sum
             if src is None:
-                bucket.accumulate_param(piece, grad, p)
+                bucket.accumulate_param(piece, grad, t)
             else:
                 bucket.accumulate(piece, src)
             if syncing:
                 bucket.synced.add(i)
         if self.contiguous and self.in_no_sync and self.layout.param_pieces[i]:  # (none: no elements)
             piece = self.layout.param_pieces[i][0]  # contiguous buffers never split a param
-            p.grad = self.buckets[piece.bucket].grad_view(piece).as_strided(p.shape, p.stride())
+            p.grad = as_grad(p, self.buckets[piece.bucket].grad_view(piece))
             self._grad_views.add(i)
         else:
             p.grad = None

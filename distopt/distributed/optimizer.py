@@ -13,14 +13,13 @@ from .. import ops
 from .._state_dicts import load_with_hooks, state_dict_with_hooks
 from .._validation import (
     check_adam_hyperparameters,
-    check_graph_lr,
     check_param_tensors,
     check_unique_params,
     reconcile_weight_decay_switch,
 )
 from ..grad_scaling import GradScaling
 from ..offload import HOST, HostTransfers
-from . import agreement, checkpoint, torch_compat, update
+from . import agreement, checkpoint, tensor_parallel, torch_compat, update
 from .buckets import BucketRuntime, ShardState, flat, shard_runs
 from .comm import Comm
 from .grad_sync import GradSync
@@ -58,10 +57,13 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
       grad_sync_dtype=None: each param's own dtype (a bf16 model reduces bf16 grads, never silently
         widened); set torch.float32 for fp32 reductions of a 16-bit model.
       param_sync_dtype=None: each param's own dtype, likewise for the param all-gather.
-      process_group=None: the data-parallel group (default: the world).
+      process_group=None: the data-parallel group (default: the world). DTensor params of a tensor-parallel
+        mesh stay DTensors, their local parts sharded over it (tensor_parallel.py; FSDP2's: use FusedAdam).
       distributed_process_group=None: shard state over this group (default: process_group).
       redundant_process_group=None: replicas of each shard (hybrid sharding): gradients are
         reduce-scattered in the distributed group and then summed across replicas.
+      model_parallel_process_group=None: the other model-parallel ranks (Megatron-style tensor parallelism
+        with plain tensors, pipeline stages): norms and the inf/nan verdict sum over it (tensor_parallel.py).
       average_grad_sync=True: average gradients over data-parallel ranks (as DDP); False sums them.
       overlap_grad_sync=True: start each bucket's reduce-scatter during backward, as soon as all its
         grads have arrived; False starts them all in step() (or grad_sync()).
@@ -142,6 +144,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         process_group=None,
         distributed_process_group=None,
         redundant_process_group=None,
+        model_parallel_process_group=None,
         average_grad_sync: bool = True,
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
@@ -181,8 +184,12 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
         self._index = {p: i for i, p in enumerate(self._params)}
+        self._tensors = tensor_parallel.LocalTensors(self._params)  # what the buckets hold: DTensors' local parts
         self._packing = Packing(self._params, grad_sync_dtype, param_sync_dtype)  # init_params declarations
         self._check_params()
+        tensor_parallel.check_params(self._params, self.comm, model_parallel_process_group)
+        self.model_parallel_process_group = model_parallel_process_group
+        self._norm = tensor_parallel.ShardNorm(self._params, self.comm, model_parallel_process_group)
         if capturable and self.device.type != "cuda":
             raise ValueError(f"capturable=True is for CUDA-graph capture: params must be on a CUDA device, "
                              f"not {self.device}")
@@ -199,9 +206,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._layout_numels: list[int] = []  # each param's size when the layout was built
         self._buckets: list[BucketRuntime] = []
         self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
-                               average_grad_sync)
+                               average_grad_sync, self._tensors)
         # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
-        self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync)
+        self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync, self._tensors)
         if overlap_param_sync:  # check_fresh does nothing otherwise: no call per param
             self._grads.on_grad = self._param_sync.check_fresh
 
@@ -211,13 +218,11 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         check_unique_params([p for g in self.param_groups for p in g["params"]])
         if not self._params:
             raise ValueError("DistributedFusedAdam got no trainable params (all have requires_grad=False)")
-        self.device = check_param_tensors(self._params, "DistributedFusedAdam")
+        self.device = check_param_tensors(self._tensors, "DistributedFusedAdam")
         expected = self.comm.device_type()
         if expected is not None and self.device.type != expected:
-            raise ValueError(
-                f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
-                f"communicates {expected} tensors"
-            )
+            raise ValueError(f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
+                             f"communicates {expected} tensors")
         check_param_dtypes([(self._param_dtype(p), p.dtype) for p in self._params], self._storage,
                            self.contiguous_param_buffer)
 
@@ -280,8 +285,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             # Params become views of one bucket: never split one (the planner rounds capacity down
             # to whole shard units, so round the largest param up to one).
             unit = self.comm.dist_size * DEFAULT_ALIGN
-            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in self._params) // unit) * unit)
-        numels = [p.numel() for p in self._params]
+            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in self._tensors) // unit) * unit)
+        numels = [p.numel() for p in self._tensors]
         self._layout = plan_segments(segments, numels, keys, self.comm.dist_size, bucket_numel)
         self._layout_numels = numels
         if self._layout.utilization() < 0.5:
@@ -301,7 +306,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                                        remainders=self._storage.remainders(param_dtype, model_dtype),
                                        host=self._transfers)
             if b.state.master is not None:
-                srcs = [flat(self._params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
+                srcs = [flat(self._tensors[f.param].detach())[f.param_offset : f.param_offset + f.numel]
                         for f in b.fragments]
                 dsts = [b.state.master[f.shard_offset : f.shard_offset + f.numel] for f in b.fragments]
                 if self._transfers is not None:  # to the host: once, at layout time
@@ -310,7 +315,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 else:
                     ops.cast_copy_(srcs, dsts)
             if self.contiguous_param_buffer:
-                b.bind_params(self._params)
+                b.bind_params(self._tensors)
             b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
             self._buckets.append(b)
         self._grads.attach(self._layout, self._buckets)
@@ -361,7 +366,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        update.check_param_sizes(self._params, self._layout_numels)
+        self._tensors.check(self._layout_numels)
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
         self.grad_sync()
@@ -390,14 +395,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._param_sync.after_step(found_inf if self.capturable else None)
         return loss
 
-    def _graph_safe_lr(self, index: int) -> Tensor:
-        """The group's lr tensor; refuses one that replaced the tensor a captured graph reads."""
-        check_graph_lr(self.param_groups, self._graph_lrs, index)
-        lr = self.param_groups[index]["lr"]
-        if not isinstance(lr, Tensor) or lr.device != self.device:
-            lr = self.param_groups[index]["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(self.device)
-        return lr
-
     def _end_step(self) -> None:
         for b in self._buckets:
             b.state.grad_valid = False
@@ -408,7 +405,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             if self._layout is None:
                 raise RuntimeError("DistributedFusedAdam: run a few eager steps before capturing a CUDA graph: "
                                    "the first step builds the bucket layout and allocates the optimizer state")
-            self._graph_lrs = [self._graph_safe_lr(i) for i in range(len(self.param_groups))]
+            self._graph_lrs = [update.graph_safe_lr(self, i) for i in range(len(self.param_groups))]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("DistributedFusedAdam.step() is being captured in a CUDA graph: construct the "
                                "optimizer with capturable=True (the eager step reads the inf flag on the host)")
@@ -422,13 +419,12 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self._grads.zero_stale_shards()
         return self._grads.version
 
-    def _norm_sq_and_flag(self) -> Tensor:
-        """[sum of squares, inf/nan count] of the reduced grad shards, summed over the shard group."""
-        flag = torch.zeros(1, dtype=torch.float32, device=self.state_device)
-        total, _ = ops.l2norm([b.state.grad for b in self._buckets], found_inf=flag)
-        result = torch.cat([total.square().reshape(1), flag]).to(self.device)  # offload: computed on the host
-        self.comm.all_reduce_sum(result)
-        return result
+    def _norm_sq_and_flag(self, subset: frozenset[int] | None = None) -> Tensor:
+        """[sum of squares, inf/nan count] of the whole model's reduced grad shards (tensor_parallel.py)."""
+        return self._norm(self._buckets, subset, self.state_device, self.device)
+
+    def _norm_index(self) -> dict[Tensor, int]:
+        return self._index
 
     # ------------------------------------------------------------------ param sync
 
@@ -474,6 +470,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     def checkpoint_params(self) -> list[Tensor]:
         """The trainable params; bucket fragments name them by their position in this list."""
         return self._params
+
+    def checkpoint_tensors(self) -> list[Tensor]:
+        """What the buckets hold of each trainable param: the param, or a DTensor param's local tensor."""
+        return self._tensors
 
     def checkpoint_indices(self) -> list[int]:
         """Each trainable param's position in ``param_groups`` (its key in state dicts)."""

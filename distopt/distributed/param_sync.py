@@ -92,9 +92,10 @@ class _UseRecorder(TorchFunctionMode):
 
 
 class ParamSync:
-    def __init__(self, comm: Comm, params: list[Tensor], overlap: bool) -> None:
+    def __init__(self, comm: Comm, params: list[Tensor], overlap: bool, tensors: list[Tensor] | None = None) -> None:
         self.comm = comm
         self.params = params
+        self.tensors = params if tensors is None else tensors  # what the gathers write (tensor_parallel.py)
         self.index = {p: i for i, p in enumerate(params)}
         self.overlap = overlap
         self.buckets: list[BucketRuntime] = []
@@ -282,7 +283,7 @@ class ParamSync:
     def _finish(self, bucket: BucketRuntime) -> None:
         """Lands a gather in the params and bumps their version counters, as an in-place update by a
         torch optimizer does: autograd then refuses a backward through a value read before it landed."""
-        bucket.finish_gather(self.comm, self.params, self.skip_if)
+        bucket.finish_gather(self.comm, self.tensors, self.skip_if)
         torch.autograd.graph.increment_version([self.params[i] for i in sorted(bucket.params)])
 
     def close(self) -> None:

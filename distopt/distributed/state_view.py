@@ -134,7 +134,7 @@ class StateView(Mapping):
     @staticmethod
     def _piece(opt: DistributedFusedAdam, b: BucketRuntime, f: Fragment, key: str, pending: bool) -> Tensor:
         if key == "param":
-            return fragment_master(b, f, opt._params, pending)
+            return fragment_master(b, f, opt._tensors, pending)
         return getattr(b.state, key)[f.shard_offset : f.shard_offset + f.numel]
 
     def _fragments_of(self, opt: DistributedFusedAdam) -> dict[int, list[tuple[BucketRuntime, Fragment]]]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from .. import ops
+from .._validation import check_graph_lr
 from .buckets import BucketRuntime, flat
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,25 +31,25 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
 
 
 def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
-    for (group_index, _), lists in kernel_lists(buckets, opt._params, opt._group_of,
+    for (group_index, _), lists in kernel_lists(buckets, opt._tensors, opt._group_of,
                                                 opt.contiguous_param_buffer).items():
         group = opt.param_groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
         if opt.capturable:  # the kernel reads lr and the step from the GPU
-            ops.adam_step_(**lists, lr=opt._graph_safe_lr(group_index), step=opt._step_tensor, found_inf=found_inf,
+            ops.adam_step_(**lists, lr=graph_safe_lr(opt, group_index), step=opt._step_tensor, found_inf=found_inf,
                            **hyper)
         else:
             ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
 
 
-def check_param_sizes(params: list[Tensor], numels: list[int]) -> None:
-    """Raises if a param's size changed since the layout was built (one whole-list comparison)."""
-    if list(map(Tensor.numel, params)) == numels:
-        return
-    for i, (p, numel) in enumerate(zip(params, numels)):
-        if p.numel() != numel:
-            raise RuntimeError(f"param {i} changed size after the bucket layout was built "
-                               f"({p.numel()} elements now, {numel} in the layout)")
+def graph_safe_lr(opt: DistributedFusedAdam, index: int) -> Tensor:
+    """Param group `index`'s lr as a tensor on the optimizer's device (capturable: the kernel reads it
+    there); refuses one that replaced the tensor a captured CUDA graph reads."""
+    check_graph_lr(opt.param_groups, opt._graph_lrs, index)
+    lr = opt.param_groups[index]["lr"]
+    if not isinstance(lr, Tensor) or lr.device != opt.device:
+        lr = opt.param_groups[index]["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(opt.device)
+    return lr
 
 
 def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: list[int],
