@@ -1,157 +1,163 @@
-// Argument checks and at::Tensor -> TensorList conversion for every op; see binding.h.
+// The argument checks and torch::stable::Tensor -> TensorList conversions every op shares; see binding.h.
 #include "binding.h"
 
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-
-#include <string>
-#include <vector>
-
-#include "kernels.h"
-
-#if defined(DISTOPT_WITH_CUDA) && !defined(DISTOPT_EMULATED)
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include <algorithm>
+#include <numeric>
 
 namespace distopt {
-namespace {
 
-DType to_dtype(at::ScalarType t, const char* what) {
-  switch (t) {
-    case at::kFloat: return DType::Float32;
-    case at::kHalf: return DType::Float16;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kShort: return DType::Int16;
-    default: TORCH_CHECK_TYPE(false, what, ": unsupported dtype ", t);
+using torch::headeronly::DeviceType;
+using torch::headeronly::ScalarType;
+using IntArrayRef = torch::headeronly::IntHeaderOnlyArrayRef;
+
+std::string device_name(const Device& device) {
+  std::string name = device.type() == DeviceType::CPU    ? "cpu"
+                     : device.type() == DeviceType::CUDA ? "cuda"
+                                                         : "device type " + std::to_string(static_cast<int>(device.type()));
+  return device.index() >= 0 ? name + ":" + std::to_string(device.index()) : name;
+}
+
+std::string dtype_name(ScalarType dtype) {
+  switch (dtype) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Short: return "int16";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Int: return "int32";
+    default: return torch::headeronly::toString(dtype);
   }
 }
 
-bool is_float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+std::string shape_string(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
 }
 
-// Checks a list against the reference list (the op's first) and describes it. `allowed` is
-// "float" (fp32/fp16/bf16), "fp32" or "int16"; every entry shares one dtype.
-TensorList describe(at::TensorList list, at::TensorList ref, const char* name, const char* allowed) {
-  TORCH_CHECK_VALUE(list.size() == ref.size(), name, ": expected ", ref.size(), " tensors, got ",
-                    list.size());
+namespace {
+
+DType to_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return DType::Float32;
+    case ScalarType::Half: return DType::Float16;
+    case ScalarType::BFloat16: return DType::BFloat16;
+    case ScalarType::Short: return DType::Int16;
+    default: fail("unsupported dtype ", dtype_name(t));
+  }
+}
+
+bool is_float_dtype(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
+}
+
+// c10's TensorImpl::compute_non_overlapping_and_dense: ordered by stride (dims of size < 2 last), the
+// strides are the running products of the sizes. Any dense layout qualifies (e.g. channels_last).
+bool non_overlapping_and_dense(IntArrayRef sizes, IntArrayRef strides) {
+  const size_t dim = sizes.size();
+  bool row_major = true;  // the common case, decided without sorting
+  int64_t expected = 1;
+  for (size_t d = dim; d-- > 0 && row_major;) {
+    row_major = sizes[d] == 1 || strides[d] == expected;
+    expected *= sizes[d];
+  }
+  if (row_major) return true;
+  std::vector<size_t> perm(dim);
+  std::iota(perm.begin(), perm.end(), size_t{0});
+  std::stable_sort(perm.begin(), perm.end(), [&](size_t a, size_t b) {
+    if (sizes[a] < 2) return false;
+    if (sizes[b] < 2) return true;
+    return strides[a] < strides[b];
+  });
+  int64_t required = 1;
+  for (const size_t d : perm) {
+    if (sizes[d] < 2) return true;
+    if (strides[d] != required) return false;
+    required *= sizes[d];
+  }
+  return true;
+}
+
+}  // namespace
+
+TensorList describe(const Tensors& list, const Tensors& ref, const char* name, const char* allowed) {
+  DISTOPT_CHECK(list.size() == ref.size(), name, ": expected ", ref.size(), " tensors, got ", list.size());
   TensorList out;
   if (list.empty()) return out;
-  const at::ScalarType dtype = list[0].scalar_type();
+  const ScalarType dtype = list[0].scalar_type();
   const std::string kind(allowed);
   const bool ok = kind == "float" ? is_float_dtype(dtype)
-                  : kind == "fp32" ? dtype == at::kFloat
-                                   : dtype == at::kShort;
-  TORCH_CHECK_TYPE(ok, name, ": expected ", allowed, " tensors, got ", dtype);
-  out.dtype = to_dtype(dtype, name);
+                  : kind == "fp32" ? dtype == ScalarType::Float
+                                   : dtype == ScalarType::Short;
+  DISTOPT_CHECK(ok, name, ": expected ", allowed, " tensors, got ", dtype_name(dtype));
+  out.dtype = to_dtype(dtype);
   out.data.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
-    const at::Tensor& t = list[i];
-    const at::Tensor& r = ref[i];
-    TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, "[", i, "]: dtype ", t.scalar_type(),
-                     " differs from ", name, "[0] (", dtype, "); group tensors by dtype");
-    TORCH_CHECK_VALUE(t.device() == r.device(), name, "[", i, "] is on ", t.device(), ", expected ",
-                      r.device());
-    TORCH_CHECK_VALUE(t.layout() == at::kStrided && !t.is_complex(), name, "[", i,
-                      "]: expected a dense real tensor");
-    TORCH_CHECK_VALUE(t.sizes() == r.sizes(), name, "[", i, "]: shape ", t.sizes(), " differs from ",
-                      r.sizes());
+    const Tensor& t = list[i];
+    const Tensor& r = ref[i];
+    DISTOPT_CHECK(t.scalar_type() == dtype, name, "[", i, "]: dtype ", dtype_name(t.scalar_type()), " differs from ",
+                  name, "[0] (", dtype_name(dtype), "); group tensors by dtype");
+    DISTOPT_CHECK(t.device() == r.device(), name, "[", i, "] is on ", device_name(t.device()), ", expected ",
+                  device_name(r.device()));
+    DISTOPT_CHECK(t.layout() == torch::headeronly::Layout::Strided, name, "[", i, "]: expected a dense tensor");
+    const IntArrayRef sizes = t.sizes();  // borrowed from t
+    const IntArrayRef strides = t.strides();
+    DISTOPT_CHECK(sizes.equals(r.sizes()), name, "[", i, "]: shape ", shape_string(t), " differs from ",
+                  shape_string(r));
     // Elements are walked in memory order, so every list must share the reference's layout.
-    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense() && t.strides() == r.strides(), name, "[", i,
-                      "]: expected a dense tensor with the same strides as its partners");
+    DISTOPT_CHECK(non_overlapping_and_dense(sizes, strides) && strides.equals(r.strides()), name, "[", i,
+                  "]: expected a dense tensor with the same strides as its partners");
     out.data.push_back(t.data_ptr());
   }
   return out;
 }
 
-// A float32 scalar (numel 1) on `device`, or nullptr when absent.
-float* scalar_ptr(const std::optional<at::Tensor>& t, const at::Device& device, const char* name) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, name, ": expected a float32 tensor, got ",
-                   t->scalar_type());
-  TORCH_CHECK_VALUE(t->numel() == 1, name, ": expected one element, got ", t->numel());
-  TORCH_CHECK_VALUE(t->device() == device, name, " is on ", t->device(), ", expected ", device,
-                    " (where the tensors are)");
-  return t->data_ptr<float>();
-}
-
-std::vector<int64_t> numels(at::TensorList list) {
+std::vector<int64_t> numels(const Tensors& list) {
   std::vector<int64_t> n;
   n.reserve(list.size());
-  for (const at::Tensor& t : list) n.push_back(t.numel());
+  for (const Tensor& t : list) n.push_back(t.numel());
   return n;
 }
 
-}  // namespace
+float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* name) {
+  if (!t.has_value()) return nullptr;
+  DISTOPT_CHECK(t->scalar_type() == ScalarType::Float, name, ": expected a float32 tensor, got ",
+                dtype_name(t->scalar_type()));
+  DISTOPT_CHECK(t->numel() == 1, name, ": expected one element, got ", t->numel());
+  DISTOPT_CHECK(t->device() == device, name, " is on ", device_name(t->device()), ", expected ",
+                device_name(device), " (where the tensors are)");
+  return static_cast<float*>(t->data_ptr());
+}
 
-// The kernels of each device behind one interface, so each op is written once (a template) and
-// registered per device type (registration.cpp). distopt._C_emulated has only the CUDA ones.
-#if !defined(DISTOPT_EMULATED)
-struct CpuKernels {
-  static void adam(const at::Device&, const TensorLists& tl, const AdamArgs& args) { adam_cpu(tl, args); }
-  static void l2norm(const at::Device&, const TensorLists& tl, float* total, float* per_tensor, float* found_inf) {
-    l2norm_cpu(tl, total, per_tensor, found_inf);
-  }
-  static void scale(const at::Device&, const TensorLists& tl, const ScaleArgs& args) { scale_cpu(tl, args); }
-};
-#endif
-
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-struct CudaKernels {
-  // Runs `launch(stream)` on the current stream of `device` (in the emulator: CPU tensors, no stream).
-  template <typename Launch>
-  static void on_stream(const at::Device& device, Launch&& launch) {
-#if defined(DISTOPT_EMULATED)
-    (void)device;
-    launch(nullptr);
-#else
-    TORCH_CHECK_VALUE(device.is_cuda(), "expected CUDA tensors, got tensors on ", device);
-    const c10::cuda::CUDAGuard guard(device);
-    launch(static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream()));
-#endif
-  }
-  static void adam(const at::Device& device, const TensorLists& tl, const AdamArgs& args) {
-    on_stream(device, [&](void* stream) { adam_cuda(tl, args, stream); });
-  }
-  static void l2norm(const at::Device& device, const TensorLists& tl, float* total, float* per_tensor,
-                     float* found_inf) {
-    const at::Tensor workspace =
-        at::empty({l2norm_cuda_workspace_floats(tl)}, at::TensorOptions().dtype(at::kFloat).device(device));
-    on_stream(device, [&](void* stream) {
-      l2norm_cuda(tl, total, per_tensor, found_inf, workspace.data_ptr<float>(), stream);
-    });
-  }
-  static void scale(const at::Device& device, const TensorLists& tl, const ScaleArgs& args) {
-    on_stream(device, [&](void* stream) { scale_cuda(tl, args, stream); });
-  }
-};
-#endif
-
-namespace {
+double cpu_scalar(const Tensor& t, const char* name) {
+  DISTOPT_CHECK(t.numel() == 1, name, ": expected one element, got ", t.numel());
+  if (t.scalar_type() == ScalarType::Double) return *static_cast<const double*>(t.const_data_ptr());
+  if (t.scalar_type() == ScalarType::Float) return *static_cast<const float*>(t.const_data_ptr());
+  const Tensor as_double = torch::stable::to(t, ScalarType::Double);  // any other real dtype, as item() reads it
+  return *as_double.const_data_ptr<double>();
+}
 
 // lr: on the CPU it is read now (an eager step); on the params' device the kernel reads it (a
 // capturable step: no host sync; a captured graph replays with the value it holds then).
-void set_lr(AdamArgs& args, const at::Tensor& lr, const at::Device& device) {
+void set_lr(AdamArgs& args, const Tensor& lr, const Device& device) {
   if (!lr.is_cpu()) {
     args.lr_ptr = scalar_ptr(lr, device, "lr");
     return;
   }
-  TORCH_CHECK_VALUE(lr.numel() == 1, "lr: expected one element, got ", lr.numel());
-  args.lr = lr.item<double>();
-  TORCH_CHECK_VALUE(args.lr >= 0.0, "lr must be >= 0, got ", args.lr);
+  args.lr = cpu_scalar(lr, "lr");
+  DISTOPT_CHECK(args.lr >= 0.0, "lr must be >= 0, got ", args.lr);
 }
 
 // steps count this update (>= 1): one for every entry, or one per entry. A single step on the CPU is
 // read now (an eager step); otherwise they are float32 scalars on the params' device, read by the
 // kernel (the same tensor may appear for many entries).
-void set_steps(AdamArgs& args, at::TensorList steps, size_t count, const at::Device& device) {
-  TORCH_CHECK_VALUE(steps.size() == 1 || steps.size() == count,
-                    "steps: expected one step tensor, or one per param (", count, "), got ", steps.size());
+void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device& device) {
+  DISTOPT_CHECK(steps.size() == 1 || steps.size() == count, "steps: expected one step tensor, or one per param (",
+                count, "), got ", steps.size());
   if (steps.size() == 1 && steps[0].is_cpu()) {
-    TORCH_CHECK_VALUE(steps[0].numel() == 1, "steps[0]: expected one element, got ", steps[0].numel());
-    args.step = steps[0].item<double>();
-    TORCH_CHECK_VALUE(args.step >= 1.0, "step counts this update and must be >= 1, got ", args.step);
+    args.step = cpu_scalar(steps[0], "steps[0]");
+    DISTOPT_CHECK(args.step >= 1.0, "step counts this update and must be >= 1, got ", args.step);
     return;
   }
   args.steps.dtype = DType::Float32;
@@ -161,9 +167,8 @@ void set_steps(AdamArgs& args, at::TensorList steps, size_t count, const at::Dev
   }
 }
 
-// Checks and describes the lists of an adam_step_ call (see kernels.h for their roles).
-TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                          at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders) {
+TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
+                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders) {
   TensorLists tl;
   tl.lists.resize(kNumAdamLists);
   tl.lists[kParam] = describe(params, params, "params", "float");
@@ -175,34 +180,33 @@ TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::Tenso
     for (size_t i = 0; i < params.size(); ++i) {
       // Empty tensors all have data_ptr() == nullptr: nothing to alias, nothing to write.
       if (params[i].numel() > 0 && param_outs[i].data_ptr() == params[i].data_ptr()) {
-        TORCH_CHECK_VALUE(param_outs[i].scalar_type() == params[i].scalar_type(), "param_outs[", i,
-                          "] aliases params[", i, "] with another dtype");
+        DISTOPT_CHECK(param_outs[i].scalar_type() == params[i].scalar_type(), "param_outs[", i, "] aliases params[",
+                      i, "] with another dtype");
         tl.lists[kParamOut].data[i] = nullptr;  // aliases the param: nothing more to write
       }
     }
   }
   if (!param_remainders.empty()) {
     tl.lists[kRemainder] = describe(param_remainders, params, "param_remainders", "int16");
-    TORCH_CHECK_TYPE(params[0].scalar_type() == at::kBFloat16,
-                     "param_remainders pair with bfloat16 params, got ", params[0].scalar_type());
+    DISTOPT_CHECK(params[0].scalar_type() == ScalarType::BFloat16, "param_remainders pair with bfloat16 params, got ",
+                  dtype_name(params[0].scalar_type()));
   }
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
     const void* p = params[i].data_ptr();
-    TORCH_CHECK_VALUE(p != exp_avgs[i].data_ptr() && p != exp_avg_sqs[i].data_ptr() &&
-                          exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
-                      "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
+    DISTOPT_CHECK(p != exp_avgs[i].data_ptr() && p != exp_avg_sqs[i].data_ptr() &&
+                      exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
+                  "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
   }
   tl.numel = numels(params);
   return tl;
 }
 
-AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
-                     bool maximize) {
-  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0,
-                    "betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
-  TORCH_CHECK_VALUE(eps >= 0.0, "eps must be >= 0, got ", eps);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
+AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize) {
+  DISTOPT_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, "betas must be in [0, 1), got (", beta1,
+                ", ", beta2, ")");
+  DISTOPT_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  DISTOPT_CHECK(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
   AdamHyper h;
   h.beta1 = beta1;
   h.beta2 = beta2;
@@ -213,97 +217,22 @@ AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay
   return h;
 }
 
-// Checks and describes the lists of a scale_/cast_copy_ call.
-TensorLists describe_scale(at::TensorList inputs, at::TensorList outputs, const char* op) {
-  TORCH_CHECK_VALUE(!inputs.empty(), op, ": expected at least one input");
+TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const char* op) {
+  DISTOPT_CHECK(!inputs.empty(), op, ": expected at least one input");
   TensorLists tl;
   tl.lists = {describe(inputs, inputs, "inputs", "float"), describe(outputs, inputs, "outputs", "float")};
   for (size_t i = 0; i < inputs.size(); ++i) {
     // Exact aliasing (in place) is fine: each element is read before it is written.
     const auto* in_begin = static_cast<const char*>(inputs[i].data_ptr());
     const auto* out_begin = static_cast<const char*>(outputs[i].data_ptr());
-    const auto* in_end = in_begin + inputs[i].nbytes();
-    const auto* out_end = out_begin + outputs[i].nbytes();
+    const auto* in_end = in_begin + inputs[i].numel() * static_cast<int64_t>(inputs[i].element_size());
+    const auto* out_end = out_begin + outputs[i].numel() * static_cast<int64_t>(outputs[i].element_size());
     const bool overlap = in_begin < out_end && out_begin < in_end;
-    TORCH_CHECK_VALUE(!overlap || (in_begin == out_begin && inputs[i].dtype() == outputs[i].dtype()),
-                      op, ": outputs[", i, "] partially overlaps inputs[", i, "]");
+    DISTOPT_CHECK(!overlap || (in_begin == out_begin && inputs[i].scalar_type() == outputs[i].scalar_type()), op,
+                  ": outputs[", i, "] partially overlaps inputs[", i, "]");
   }
   tl.numel = numels(inputs);
   return tl;
 }
-
-}  // namespace
-
-template <typename Kernels>
-void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
-                const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
-                double weight_decay, bool adam_w_mode, bool maximize,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK_VALUE(!params.empty(), "adam_step_: expected at least one param");
-  const at::Device device = params[0].device();
-  AdamArgs args;
-  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
-  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders);
-  set_lr(args, lr, device);
-  set_steps(args, steps, params.size(), device);
-  args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
-  args.found_inf = scalar_ptr(found_inf, device, "found_inf");
-  Kernels::adam(device, tl, args);
-}
-
-template <typename Kernels>
-std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK_VALUE(!tensors.empty(), "l2norm: expected at least one tensor");
-  const at::Device device = tensors[0].device();
-  TensorLists tl;
-  tl.lists = {describe(tensors, tensors, "tensors", "float")};
-  tl.numel = numels(tensors);
-  const auto opts = tensors[0].options().dtype(at::kFloat);
-  at::Tensor total = at::empty({}, opts);
-  at::Tensor per_tensor = at::empty({static_cast<int64_t>(tensors.size())}, opts);
-  float* flag = scalar_ptr(found_inf, device, "found_inf");
-  Kernels::l2norm(device, tl, total.data_ptr<float>(), per_tensor.data_ptr<float>(), flag);
-  return {total, per_tensor};
-}
-
-template <typename Kernels>
-void scale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
-            const std::optional<at::Tensor>& found_inf) {
-  const TensorLists tl = describe_scale(inputs, outputs, "scale_");
-  const at::Device device = inputs[0].device();
-  ScaleArgs args;
-  args.scale = scalar_ptr(scale, device, "scale");
-  args.found_inf_out = scalar_ptr(found_inf, device, "found_inf");
-  Kernels::scale(device, tl, args);
-}
-
-template <typename Kernels>
-void cast_copy_(at::TensorList inputs, at::TensorList outputs, const std::optional<at::Tensor>& skip_if) {
-  const TensorLists tl = describe_scale(inputs, outputs, "cast_copy_");
-  const at::Device device = inputs[0].device();
-  ScaleArgs args;
-  args.skip_if = scalar_ptr(skip_if, device, "skip_if");
-  Kernels::scale(device, tl, args);
-}
-
-// The instantiations registration.cpp registers.
-#define DISTOPT_INSTANTIATE(Kernels)                                                                      \
-  template void adam_step_<Kernels>(at::TensorList, at::TensorList, at::TensorList, at::TensorList,      \
-                                    at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,    \
-                                    double, double, double, double, bool, bool,                           \
-                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);  \
-  template std::tuple<at::Tensor, at::Tensor> l2norm<Kernels>(at::TensorList,                             \
-                                                              const std::optional<at::Tensor>&);          \
-  template void scale_<Kernels>(at::TensorList, at::TensorList, const at::Tensor&,                       \
-                                const std::optional<at::Tensor>&);                                        \
-  template void cast_copy_<Kernels>(at::TensorList, at::TensorList, const std::optional<at::Tensor>&);
-
-#if !defined(DISTOPT_EMULATED)
-DISTOPT_INSTANTIATE(CpuKernels)
-#endif
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-DISTOPT_INSTANTIATE(CudaKernels)
-#endif
 
 }  // namespace distopt

@@ -1,35 +1,151 @@
-// The thin ATen layer: op implementations that validate at::Tensor arguments, describe them as
-// plain TensorLists and call the kernels of one device. Registered in registration.cpp: the
-// dispatcher picks the device (CPU or CUDA) from the tensors, each registration names its kernels.
+// The thin binding layer, on LibTorch's stable ABI (torch/csrc/stable): each op validates its
+// torch::stable::Tensor arguments, describes them as plain TensorLists (kernels.h) and calls the kernels
+// of one device. The op implementations below are templates over that kernel set, registered once per
+// device type (registration_cpu.cpp, registration_cuda.cpp): the dispatcher picks the device from the
+// tensors. The checks and conversions they share are in binding.cpp.
+//
+// How an op's arguments arrive (TORCH_BOX unboxes them from the schema in distopt/ops.py, in order):
+//   Tensor / Tensor(a!)           const Tensor&          (written through its data pointer)
+//   Tensor[] / Tensor(a!)[]       const Tensors&         (std::vector<torch::stable::Tensor>)
+//   Tensor? / Tensor(a!)?         const OptionalTensor&  (std::optional<torch::stable::Tensor>)
+//   float / int / bool            double / int64_t / bool
+//   -> (Tensor, Tensor)           std::tuple<Tensor, Tensor>
+// A new argument is a new parameter at its schema position, checked and described with the helpers
+// below; the registrations need no change.
+//
+// Errors: an invalid argument throws std::invalid_argument (DISTOPT_CHECK), which torch's op call turns
+// into Python's ValueError. The stable ABI has no way to raise TypeError, so a wrong dtype is a
+// ValueError too. Everything is checked before any kernel runs: a refused call writes nothing.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
 
+#include <cstdint>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <tuple>
+#include <vector>
+
+#include "kernels.h"
 
 namespace distopt {
 
-// Which kernels an op implementation calls: `CpuKernels` (csrc/cpu) or `CudaKernels` (csrc/cuda,
-// on a CUDA device; in distopt._C_emulated, run by the SIMT emulator on CPU tensors).
-struct CpuKernels;
-struct CudaKernels;
+using torch::stable::Device;
+using torch::stable::Tensor;
+using Tensors = std::vector<Tensor>;
+using OptionalTensor = std::optional<Tensor>;
+
+// Throws std::invalid_argument (Python: ValueError) with the parts streamed into one message.
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream msg;
+  (msg << ... << parts);
+  throw std::invalid_argument(msg.str());
+}
+
+#define DISTOPT_CHECK(cond, ...)              \
+  do {                                        \
+    if (!(cond)) ::distopt::fail(__VA_ARGS__); \
+  } while (0)
+
+// For messages: "cpu", "cuda:1", "float32", "[5, 3]".
+std::string device_name(const Device& device);
+std::string dtype_name(torch::headeronly::ScalarType dtype);
+std::string shape_string(const Tensor& t);
+
+// Checks a list against the reference list (the op's first) and describes it: same length, one dtype
+// of `allowed` ("float": fp32/fp16/bf16, "fp32" or "int16"), the reference's device, shape and strides,
+// dense. `name` names the list in errors.
+TensorList describe(const Tensors& list, const Tensors& ref, const char* name, const char* allowed);
+
+// numel of each tensor, the TensorLists::numel of lists described against `list`.
+std::vector<int64_t> numels(const Tensors& list);
+
+// A float32 one-element tensor on `device` as a pointer, or nullptr when absent.
+float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* name);
+
+// The value of a one-element CPU tensor of any real dtype (what Tensor.item() gives).
+double cpu_scalar(const Tensor& t, const char* name);
+
+// adam_step_'s pieces: the lists (kernels.h's AdamList order), the hyperparameters, lr and steps.
+TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
+                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders);
+AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize);
+void set_lr(AdamArgs& args, const Tensor& lr, const Device& device);
+void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device& device);
+
+// scale_'s and cast_copy_'s lists: inputs and outputs, exact aliasing allowed, partial overlap refused.
+TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const char* op);
+
+// The kernels of each device behind one interface, so that each op is written once. Defined where they
+// are registered: CpuKernels in registration_cpu.cpp (csrc/cpu), CudaKernels in registration_cuda.cpp
+// (csrc/cuda on the current stream; in distopt._C_emulated, run by the SIMT emulator on CPU tensors).
+//   static void adam(const Device&, const TensorLists&, const AdamArgs&);
+//   static void l2norm(const Device&, const TensorLists&, float* total, float* per_tensor, float* found_inf);
+//   static void scale(const Device&, const TensorLists&, const ScaleArgs&);
 
 template <typename Kernels>
-void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
-                const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
-                double weight_decay, bool adam_w_mode, bool maximize,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+void adam_step_(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
+                const Tensors& param_outs, const Tensors& param_remainders, const Tensor& lr, const Tensors& steps,
+                double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize,
+                const OptionalTensor& grad_scale, const OptionalTensor& found_inf) {
+  DISTOPT_CHECK(!params.empty(), "adam_step_: expected at least one param");
+  const Device device = params[0].device();
+  AdamArgs args;
+  args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
+  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders);
+  set_lr(args, lr, device);
+  set_steps(args, steps, params.size(), device);
+  args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
+  args.found_inf = scalar_ptr(found_inf, device, "found_inf");
+  Kernels::adam(device, tl, args);
+}
 
 template <typename Kernels>
-std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const std::optional<at::Tensor>& found_inf);
+std::tuple<Tensor, Tensor> l2norm(const Tensors& tensors, const OptionalTensor& found_inf) {
+  DISTOPT_CHECK(!tensors.empty(), "l2norm: expected at least one tensor");
+  const Device device = tensors[0].device();
+  TensorLists tl;
+  tl.lists = {describe(tensors, tensors, "tensors", "float")};
+  tl.numel = numels(tensors);
+  float* flag = scalar_ptr(found_inf, device, "found_inf");
+  constexpr auto kFloat = torch::headeronly::ScalarType::Float;
+  Tensor total = torch::stable::new_empty(tensors[0], {}, kFloat);
+  Tensor per_tensor = torch::stable::new_empty(tensors[0], {static_cast<int64_t>(tensors.size())}, kFloat);
+  Kernels::l2norm(device, tl, total.mutable_data_ptr<float>(), per_tensor.mutable_data_ptr<float>(), flag);
+  return {total, per_tensor};
+}
 
 template <typename Kernels>
-void scale_(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
-            const std::optional<at::Tensor>& found_inf);
+void scale_(const Tensors& inputs, const Tensors& outputs, const Tensor& scale, const OptionalTensor& found_inf) {
+  const TensorLists tl = describe_scale(inputs, outputs, "scale_");
+  const Device device = inputs[0].device();
+  ScaleArgs args;
+  args.scale = scalar_ptr(scale, device, "scale");
+  args.found_inf_out = scalar_ptr(found_inf, device, "found_inf");
+  Kernels::scale(device, tl, args);
+}
 
 template <typename Kernels>
-void cast_copy_(at::TensorList inputs, at::TensorList outputs, const std::optional<at::Tensor>& skip_if);
+void cast_copy_(const Tensors& inputs, const Tensors& outputs, const OptionalTensor& skip_if) {
+  const TensorLists tl = describe_scale(inputs, outputs, "cast_copy_");
+  const Device device = inputs[0].device();
+  ScaleArgs args;
+  args.skip_if = scalar_ptr(skip_if, device, "skip_if");
+  Kernels::scale(device, tl, args);
+}
+
+// Registers every op with `Kernels` for the library's dispatch key (STABLE_TORCH_LIBRARY_IMPL).
+template <typename Kernels>
+void register_impls(torch::stable::detail::StableLibrary& m) {
+  m.impl("adam_step_", TORCH_BOX(&adam_step_<Kernels>));
+  m.impl("l2norm", TORCH_BOX(&l2norm<Kernels>));
+  m.impl("scale_", TORCH_BOX(&scale_<Kernels>));
+  m.impl("cast_copy_", TORCH_BOX(&cast_copy_<Kernels>));
+}
 
 }  // namespace distopt

@@ -1,17 +1,30 @@
-"""The one description of how ``distopt._C`` is built: sources, flags, CUDA choice.
+"""The one description of how distopt's compiled modules are built: sources, flags, CUDA choice.
 
 setup.py imports it; CMakeLists.txt runs ``python csrc/build_config.py --cmake FILE`` and includes the
-result, so the two builds cannot drift apart.
+result, so the two builds cannot drift apart; the tests build distopt._C_emulated from it.
+
+The modules:
+  distopt._C        the CPU kernels (csrc/cpu), registered for CPU tensors.
+  distopt._C_cuda   the CUDA kernels (csrc/cuda), registered for CUDA tensors: a module of its own because
+                    it links libtorch_cuda (the current stream), which a CPU-only torch does not have.
+Both use only LibTorch's stable ABI (torch/csrc/stable, torch/headeronly: TORCH_TARGET_VERSION below) and
+Python's limited API (Py_LIMITED_API, cp310), so one abi3 build loads under every torch >= TORCH_TARGET and
+every CPython >= 3.10, whichever torch compiled it. The CUDA runtime is linked statically: the module does
+not depend on the CUDA version of the user's torch (it needs a driver for this toolkit's CUDA version).
+  distopt._C_emulated
+                    test-only, never installed: the CUDA kernels built for the CPU SIMT emulator (see
+                    EMULATED_* below); tests/backends.py builds it on first use.
 
 Environment:
-  DISTOPT_BUILD_CUDA   auto (default): build the CUDA kernels when torch is a CUDA build and nvcc is
-                       found, whether or not a GPU is visible. 1: require them. 0: CPU kernels only.
-  TORCH_CUDA_ARCH_LIST architectures to compile for; default "8.0;9.0+PTX" (A100, H100, and PTX that
-                       newer GPUs JIT-compile). Must be set when no GPU is visible, else torch guesses.
+  DISTOPT_BUILD_CUDA   auto (default): build distopt._C_cuda when torch is a CUDA build and nvcc is found,
+                       whether or not a GPU is visible. 1: require it. 0: CPU kernels only.
+  TORCH_CUDA_ARCH_LIST architectures to compile for; default "8.0;9.0;10.0+PTX" (A100, H100, B200, and
+                       PTX that newer GPUs JIT-compile). Must be set when no GPU is visible, else torch
+                       guesses.
   CUDA_HOME            the toolkit; found from nvcc or /usr/local/cuda when unset.
   DISTOPT_BUILD_EMULATED
-                       auto (default): also build distopt._C_emulated (the test suite's "cuda-emulated"
-                       backend, see EMULATED_* below) on Linux x86-64 with GCC. 1: require it. 0: skip it.
+                       auto (default): the tests build and use distopt._C_emulated on Linux x86-64 with
+                       GCC. 1: require it. 0: skip it.
 """
 
 from __future__ import annotations
@@ -24,11 +37,25 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent
 ROOT = CSRC.parent
-DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
-# Host code: the binding layer, the registration and the CPU kernels.
-CPU_SOURCES = sorted(str(p.relative_to(ROOT)) for p in [*CSRC.glob("*.cpp"), *CSRC.glob("cpu/*.cpp")])
-CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
+# The oldest torch whose stable ABI the modules use: headers of a newer torch expose only what this one
+# has. Raise it (and pyproject's torch>=) only for a stable-ABI piece that arrived later.
+TORCH_TARGET = (2, 11)
+STABLE_ABI_MACROS = [("TORCH_TARGET_VERSION", f"0x{TORCH_TARGET[0]:02x}{TORCH_TARGET[1]:02x}000000000000")]
+PY_LIMITED_API = "cp310"  # the wheel tag; torch's extension builder defines Py_LIMITED_API=0x030A0000
+PY_LIMITED_API_HEX = "0x030A0000"
+
+
+def _sources(*patterns: str) -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for pattern in patterns for p in CSRC.glob(pattern))
+
+
+# distopt._C: the binding layer, the CPU registration, the CPU kernels and their parallel_for.
+CPU_SOURCES = _sources("binding.cpp", "parallel.cpp", "registration_cpu.cpp", "cpu/*.cpp")
+# distopt._C_cuda: the binding layer, the CUDA registration and the CUDA kernels.
+CUDA_SOURCES = _sources("binding.cpp", "registration_cuda.cpp", "cuda/*.cu")
+CUDA_KERNEL_SOURCES = _sources("cuda/*.cu")
 
 # -fno-math-errno: sqrtf needs no errno branch, so the CPU Adam loop vectorizes (same results).
 # -fno-trapping-math: fp operations raise no traps the code relies on (none are enabled), so the
@@ -36,17 +63,17 @@ CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("cuda/*.cu"))
 # it changes no value (rounding, NaNs, infinities and signed zeros stay IEEE).
 # -ffp-contract=off: --fmad=false's counterpart, so an FMA host (aarch64, -march=x86-64-v3) computes
 # the shared math in csrc/math with the GPU's roundings instead of contracting it into FMAs.
-# -fopenmp: at::parallel_for (csrc/parallel.cpp) is an inline template that is only parallel where
-# the including code is compiled with OpenMP; without it, it runs the whole range on one thread. The
-# module then needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
-# so the kernels share torch's OpenMP thread pool and torch.set_num_threads().
 CXX_FLAGS = [
-    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
     "-Wall", "-Wextra", "-Wno-unused-parameter",
 ]  # fmt: skip
-LINK_FLAGS = ["-fopenmp"]
-# The CPU kernels' parallel_for (csrc/cpu/parallel.h) on torch's thread pool: host code, not emulated.
-PARALLEL_SOURCE = "csrc/parallel.cpp"
+# What the modules link: the stable ABI's C shim is in libtorch_cpu; the current CUDA stream in
+# libtorch_cuda; the CUDA runtime is static (with what it needs), --exclude-libs keeping its symbols out of
+# the module's exports. Nothing else of torch's (libc10 and libtorch export a few libstdc++ symbols, which
+# the linker would otherwise bind there).
+CPU_LIBRARIES = ["torch_cpu"]
+CUDA_LIBRARIES = ["torch_cpu", "torch_cuda", "cudart_static", "rt", "dl", "pthread"]
+CUDA_LINK_FLAGS = ["-Wl,--exclude-libs,ALL"]
 # --fmad=false: no fused multiply-add contraction, so the shared math in csrc/math gives the same
 # bits on the GPU as in the CPU kernels that the tests run (the kernels are memory bound: no cost).
 NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
@@ -58,7 +85,8 @@ NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
 # in build/emulation (the extension builder hands every .cu to nvcc). The sanitizer flags make the
 # compiler call hooks on every memory access, which the emulator implements (no sanitizer runtime is
 # linked); -ffp-contract=off is --fmad=false's counterpart; -g1 gives its messages file:line.
-EMULATION_RUNTIME = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("emulation/*.cpp") if p.name != "module.cpp")
+EMULATION_RUNTIME = _sources("emulation/*.cpp")
+EMULATION_RUNTIME.remove("csrc/emulation/module.cpp")
 EMULATED_WRAPPER_DIR = ROOT / "build" / "emulation"
 EMULATION_FLAGS = [
     "-O2", "-g1", "-fno-math-errno", "-ffp-contract=off",
@@ -104,7 +132,7 @@ def emulated_wrappers() -> list[str]:
     """Writes build/emulation/cuda_<name>.cpp for each csrc/cuda/<name>.cu; returns their paths."""
     EMULATED_WRAPPER_DIR.mkdir(parents=True, exist_ok=True)
     out = []
-    for cu in CUDA_SOURCES:
+    for cu in CUDA_KERNEL_SOURCES:
         wrapper = EMULATED_WRAPPER_DIR / f"cuda_{Path(cu).stem}.cpp"
         include = os.path.relpath(ROOT / cu, EMULATED_WRAPPER_DIR)
         text = f'// Generated by csrc/build_config.py: {cu}, as host C++ for the SIMT emulator.\n#include "{include}"\n'
@@ -115,14 +143,12 @@ def emulated_wrappers() -> list[str]:
 
 
 def emulated_extension_kwargs() -> dict:
-    """Keyword arguments for the CppExtension distopt._C_emulated."""
-    # binding.cpp, registration.cpp
-    bindings = [s for s in CPU_SOURCES if not s.startswith("csrc/cpu/") and s != PARALLEL_SOURCE]
-    sources = bindings + EMULATION_RUNTIME + ["csrc/emulation/module.cpp"] + emulated_wrappers()
+    """Sources, include dirs, macros and flags of distopt._C_emulated (extension-builder keywords)."""
+    sources = ["csrc/binding.cpp", "csrc/registration_cuda.cpp"] + EMULATION_RUNTIME + ["csrc/emulation/module.cpp"]
     return {
-        "sources": sources,
-        "include_dirs": [EMULATION_INCLUDE],  # CppExtension appends torch's after it
-        "define_macros": [("DISTOPT_EMULATED", "1")],
+        "sources": sources + emulated_wrappers(),
+        "include_dirs": [EMULATION_INCLUDE],  # before torch's
+        "define_macros": [("DISTOPT_EMULATED", "1"), *STABLE_ABI_MACROS],
         "extra_compile_args": {"cxx": list(EMULATION_FLAGS)},
     }
 
@@ -174,14 +200,33 @@ def prepare_environment(with_cuda: bool) -> None:
         sys.modules["torch.utils.cpp_extension"].CUDA_HOME = os.environ.get("CUDA_HOME") or None
 
 
-def extension_kwargs(with_cuda: bool) -> dict:
-    """Keyword arguments for torch.utils.cpp_extension.CppExtension/CUDAExtension."""
-    sources = CPU_SOURCES + (CUDA_SOURCES if with_cuda else [])
-    macros = [("DISTOPT_WITH_CUDA", "1")] if with_cuda else []
-    extra = {"cxx": list(CXX_FLAGS)}
-    if with_cuda:
-        extra["nvcc"] = list(NVCC_FLAGS)
-    return {"sources": sources, "define_macros": macros, "extra_compile_args": extra, "extra_link_args": LINK_FLAGS}
+def cpu_extension_kwargs() -> dict:
+    """Keyword arguments for torch.utils.cpp_extension.CppExtension("distopt._C", ...); ``libraries`` is the
+    whole list (CppExtension adds c10 and libtorch, which setup.py takes out again)."""
+    return {
+        "sources": list(CPU_SOURCES),
+        "define_macros": list(STABLE_ABI_MACROS),
+        "libraries": list(CPU_LIBRARIES),
+        "extra_compile_args": {"cxx": list(CXX_FLAGS)},
+        "py_limited_api": True,
+    }
+
+
+def cuda_extension_kwargs() -> dict:
+    """Keyword arguments for torch.utils.cpp_extension.CppExtension("distopt._C_cuda", ...): a CppExtension
+    (the extension builder compiles the .cu files with nvcc either way) because CUDAExtension would link
+    the shared CUDA runtime of the toolkit's minor version."""
+    home = os.environ.get("CUDA_HOME") or find_cuda_home()
+    return {
+        "sources": list(CUDA_SOURCES),
+        "define_macros": list(STABLE_ABI_MACROS),
+        "include_dirs": [str(Path(home) / "include")] if home else [],
+        "library_dirs": [str(Path(home) / "lib64")] if home else [],
+        "libraries": list(CUDA_LIBRARIES),
+        "extra_compile_args": {"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+        "extra_link_args": list(CUDA_LINK_FLAGS),
+        "py_limited_api": True,
+    }
 
 
 def cxx_standard() -> int:
@@ -202,19 +247,19 @@ def write_cmake(path: Path) -> None:
     import torch
     from torch.utils import cpp_extension as ce
 
-    kw = extension_kwargs(with_cuda)
-    device = "cuda" if with_cuda else "cpu"
-    libs = ["c10", "torch", "torch_cpu", "torch_python", "gomp"]  # gomp: see LINK_FLAGS
-    libs += ["c10_cuda", "torch_cuda", "cudart"] if with_cuda else []
-    lib_dirs = ce.library_paths(device_type=device)
+    cpu, cuda = cpu_extension_kwargs(), cuda_extension_kwargs()
     torch_defines = ["TORCH_API_INCLUDE_EXTENSION_H", f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    defines = [f"{k}={v}" for k, v in kw["define_macros"]] + ["TORCH_EXTENSION_NAME=_C"] + torch_defines
+
+    def defines(kw: dict, name: str, limited_api: bool = True) -> list[str]:
+        # What torch's extension builder defines (Py_LIMITED_API where py_limited_api is set).
+        extra = [f"Py_LIMITED_API={PY_LIMITED_API_HEX}"] if limited_api else []
+        return [f"{k}={v}" for k, v in kw["define_macros"]] + [f"TORCH_EXTENSION_NAME={name}", *torch_defines, *extra]
+
     # COMMON_NVCC_FLAGS and _get_cuda_arch_flags are what BuildExtension itself passes to nvcc (the
     # latter is private; present from torch 2.0 through 2.15). Each flag must stay one token: CMake
     # de-duplicates compile options, which would mangle two-token flags.
-    nvcc = ce.COMMON_NVCC_FLAGS + kw["extra_compile_args"].get("nvcc", [])
-    if with_cuda:
-        nvcc += ce._get_cuda_arch_flags([])
+    nvcc = ce.COMMON_NVCC_FLAGS + cuda["extra_compile_args"]["nvcc"] + (ce._get_cuda_arch_flags([]) if with_cuda else [])
+    includes = ce.include_paths() + [sysconfig.get_paths()["include"]]
 
     def cm(values) -> str:
         """A CMake list inside a double-quoted string."""
@@ -226,29 +271,29 @@ def write_cmake(path: Path) -> None:
         "DISTOPT_WITH_CUDA": "ON" if with_cuda else "OFF",
         "DISTOPT_CUDA_HOME": os.environ.get("CUDA_HOME", "") if with_cuda else "",
         "DISTOPT_CXX_STANDARD": cxx_standard(),
-        "DISTOPT_CXX_SOURCES": cm(ROOT / s for s in CPU_SOURCES),
-        "DISTOPT_CUDA_SOURCES": cm(ROOT / s for s in (CUDA_SOURCES if with_cuda else [])),
-        "DISTOPT_CXX_FLAGS": cm(kw["extra_compile_args"]["cxx"]),
+        "DISTOPT_CXX_FLAGS": cm(CXX_FLAGS),
+        "DISTOPT_INCLUDE_DIRS": cm(includes),
+        "DISTOPT_LIBRARY_DIRS": cm(ce.library_paths()),
+        "DISTOPT_C_SOURCES": cm(ROOT / s for s in cpu["sources"]),
+        "DISTOPT_C_DEFINES": cm(defines(cpu, "_C")),
+        "DISTOPT_C_LIBRARIES": cm(cpu["libraries"]),
+        "DISTOPT_C_CUDA_SOURCES": cm(ROOT / s for s in cuda["sources"]),
+        "DISTOPT_C_CUDA_DEFINES": cm(defines(cuda, "_C_cuda")),
+        "DISTOPT_C_CUDA_INCLUDE_DIRS": cm(cuda["include_dirs"]),
+        "DISTOPT_C_CUDA_LIBRARY_DIRS": cm(cuda["library_dirs"]),
+        "DISTOPT_C_CUDA_LIBRARIES": cm(cuda["libraries"]),
+        "DISTOPT_C_CUDA_LINK_FLAGS": cm(cuda["extra_link_args"]),
         "DISTOPT_NVCC_FLAGS": cm(nvcc),
-        "DISTOPT_DEFINES": cm(defines),
-        "DISTOPT_INCLUDE_DIRS": cm(ce.include_paths(device_type=device) + [sysconfig.get_paths()["include"]]),
-        "DISTOPT_LIBRARY_DIRS": cm(lib_dirs),
-        "DISTOPT_LIBRARIES": cm(libs),
-        "DISTOPT_EXT_SUFFIX": sysconfig.get_config_var("EXT_SUFFIX"),
         "DISTOPT_WITH_EMULATED": "ON" if with_emulated else "OFF",
+        "DISTOPT_EXT_SUFFIX": sysconfig.get_config_var("EXT_SUFFIX"),  # _C_emulated: full API, this Python only
     }
     if with_emulated:
         emu = emulated_extension_kwargs()
         lines |= {
             "DISTOPT_EMULATED_SOURCES": cm(ROOT / s for s in emu["sources"]),
             "DISTOPT_EMULATED_FLAGS": cm(emu["extra_compile_args"]["cxx"]),
-            "DISTOPT_EMULATED_DEFINES": cm(
-                [f"{k}={v}" for k, v in emu["define_macros"]] + ["TORCH_EXTENSION_NAME=_C_emulated"] + torch_defines
-            ),
-            "DISTOPT_EMULATED_INCLUDE_DIRS": cm(
-                emu["include_dirs"] + ce.include_paths(device_type="cpu") + [sysconfig.get_paths()["include"]]
-            ),
-            "DISTOPT_EMULATED_LIBRARY_DIRS": cm(ce.library_paths(device_type="cpu")),
+            "DISTOPT_EMULATED_DEFINES": cm(defines(emu, "_C_emulated", limited_api=False)),
+            "DISTOPT_EMULATED_INCLUDE_DIRS": cm(emu["include_dirs"] + includes),
         }
     path.write_text("".join(f'set({k} "{v}")\n' for k, v in lines.items()))
 

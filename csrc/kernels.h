@@ -43,14 +43,9 @@ struct ScaleArgs {
 };
 void scale_cpu(const TensorLists& lists, const ScaleArgs& args);
 
-// The CUDA launchers exist in the CUDA build and in distopt._C_emulated, which compiles the same CUDA
-// kernels as host C++ against the SIMT emulator (csrc/emulation) and runs them on CPU tensors.
-#if defined(DISTOPT_WITH_CUDA) || defined(DISTOPT_EMULATED)
-#define DISTOPT_HAS_CUDA_KERNELS 1
-#endif
-
-#if defined(DISTOPT_HAS_CUDA_KERNELS)
-// CUDA launchers: same contracts, launched on `stream` (a cudaStream_t), never synchronising.
+// The CUDA launchers (csrc/cuda): the same contracts, launched on `stream` (a cudaStream_t), never
+// synchronising. In distopt._C_cuda, and in distopt._C_emulated, which compiles the same kernels as host
+// C++ against the SIMT emulator (csrc/emulation) and runs them on CPU tensors.
 void adam_cuda(const TensorLists& lists, const AdamArgs& args, void* stream);
 
 // `workspace` must hold l2norm_cuda_workspace_floats(lists) floats of device memory.
@@ -59,6 +54,5 @@ void l2norm_cuda(const TensorLists& lists, float* total, float* per_tensor, floa
                  float* workspace, void* stream);
 
 void scale_cuda(const TensorLists& lists, const ScaleArgs& args, void* stream);
-#endif
 
 }  // namespace distopt

@@ -70,12 +70,16 @@ class GradScaling:
         raise NotImplementedError
 
     def _reset_grad_scaling(self) -> None:
-        """Starts a new iteration (after step, or on zero_grad)."""
+        """Starts a new iteration (after step, or on zero_grad). Assigns only what changes: torch 2.11's
+        Dynamo cannot trace an attribute assignment on an optimizer (its OptimizerVariable lacks an
+        AttributeMutation type; later torch has it), and a compiled step ends here."""
         self._inv_scale.fill_(1.0)
         self._clip_coef.fill_(1.0)
-        self._raw_norm = None
-        self._unscaled = False
-        self._clips = []
+        if self._raw_norm is not None:
+            self._raw_norm = None
+        if self._unscaled:
+            self._unscaled = False
+        self._clips.clear()
 
     def _raw_grad_norm(self, subset=_LAST, force: bool = False) -> Tensor:
         """The norm of the grads as stored (before the deferred factors), cached until they change: of

@@ -1,11 +1,12 @@
 """distopt's fused multi-tensor ops: schemas, typed wrappers, fake kernels and the fallback.
 
-The schemas are defined here (``torch.ops.distopt.*``); ``distopt._C`` registers the C++ CPU and CUDA
-kernels for them (csrc/registration.cpp). If ``_C`` cannot be imported, or was built without CUDA
-kernels, the pure-PyTorch versions in ``reference.py`` are registered instead, with one warning, so
-every op keeps working (slower). Schemas state exactly which arguments each op mutates, and every op
-has a fake kernel, so the ops work under torch.compile and inside CUDA-graph capture. Kernels launch on
-the current CUDA stream and never synchronise with the host.
+The schemas are defined here (``torch.ops.distopt.*``); ``distopt._C`` registers the C++ CPU kernels for
+them (csrc/registration_cpu.cpp), ``distopt._C_cuda`` the CUDA kernels (csrc/registration_cuda.cpp). Where
+a module cannot be imported, or was not built, the pure-PyTorch versions in ``reference.py`` are
+registered instead, with one warning, so every op keeps working (slower). Schemas state exactly which
+arguments each op mutates, and every op has a fake kernel, so the ops work under torch.compile and inside
+CUDA-graph capture. Kernels launch on the current CUDA stream and never synchronise with the host. An
+invalid argument raises ValueError before anything is written.
 
 Conventions shared by all ops:
   * list arguments hold same-dtype tensors on one device; entries at the same index have the same
@@ -63,11 +64,11 @@ def _l2norm_fake(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[T
     return t.new_empty((), dtype=torch.float32), t.new_empty((len(tensors),), dtype=torch.float32)
 
 
-def _load_extension() -> tuple[bool, str]:
-    """Imports distopt._C (registering its kernels); returns (loaded, why not: missing or the loader's
-    message). Looked up first: a plain ``from . import _C`` of a missing file reports a "partially
-    initialized module ... circular import", which is not the reason."""
-    name = f"{__package__}._C"
+def _load_extension(module: str) -> tuple[bool, str]:
+    """Imports distopt.<module> (registering its kernels); returns (loaded, why not: missing or the
+    loader's message). Looked up first: a plain ``from . import _C`` of a missing file reports a
+    "partially initialized module ... circular import", which is not the reason."""
+    name = f"{__package__}.{module}"
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         spec = importlib.util.find_spec(name)
@@ -75,15 +76,20 @@ def _load_extension() -> tuple[bool, str]:
         return False, f"the compiled extension {name} failed to load: {exc}"
     if spec is None:
         suffixes = ", ".join(importlib.machinery.EXTENSION_SUFFIXES)
-        return False, f"the compiled extension {name} is missing: no _C{{{suffixes}}} in {here}"
+        return False, f"the compiled extension {name} is missing: no {module}{{{suffixes}}} in {here}"
     try:
         importlib.import_module(name)
-    except ImportError as exc:  # also a library that is not one: wrong torch or Python, bad ELF file
+    except ImportError as exc:  # also a library that is not one: too old a torch, bad ELF file
         return False, f"the compiled extension {name} failed to load from {spec.origin}: {exc}"
     return True, ""
 
 
-HAS_EXTENSION, _IMPORT_ERROR = _load_extension()
+# The CPU kernels, and the CUDA kernels in a module of their own: it links libtorch_cuda, which a
+# CPU-only torch lacks (there, the CPU kernels still load).
+HAS_EXTENSION, _IMPORT_ERROR = _load_extension("_C")
+HAS_CUDA_EXTENSION, _CUDA_IMPORT_ERROR = (
+    _load_extension("_C_cuda") if torch.version.cuda is not None else (False, "torch is not a CUDA build")
+)
 
 
 def has_kernel(op: str, device_type: str) -> bool:
@@ -93,7 +99,10 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 # What the compiled extension registered, read before any fallback is registered over the gaps.
 COMPILED_KERNELS = frozenset(
-    (op, key) for op in OP_NAMES for key in ("CPU", "CUDA") if HAS_EXTENSION and has_kernel(op, key)
+    (op, key)
+    for op in OP_NAMES
+    for key, loaded in (("CPU", HAS_EXTENSION), ("CUDA", HAS_CUDA_EXTENSION))
+    if loaded and has_kernel(op, key)
 )
 
 
@@ -109,14 +118,14 @@ def _register_fallbacks() -> None:
     if not HAS_EXTENSION:
         warnings.warn(
             f"{_IMPORT_ERROR}. distopt falls back to the pure-PyTorch reference ops (correct but slower). "
-            f"Rebuild the extension against this torch ({torch.__version__}) from the source checkout: "
-            "`pip install --no-build-isolation -e .`, or `python setup.py build_ext --inplace`.",
+            f"Reinstall distopt (it needs torch >= 2.11; this is {torch.__version__}); in a source checkout "
+            "`pip install -e .`, or `python setup.py build_ext --inplace`.",
             RuntimeWarning,
             stacklevel=3,
         )
     elif any(key == "CUDA" for _, key in missing) and torch.cuda.is_available():
         warnings.warn(
-            "distopt._C was built without CUDA kernels; CUDA tensors use the pure-PyTorch reference ops.",
+            f"distopt has no CUDA kernels ({_CUDA_IMPORT_ERROR}); CUDA tensors use the pure-PyTorch reference ops.",
             RuntimeWarning,
             stacklevel=3,
         )

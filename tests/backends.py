@@ -34,24 +34,46 @@ from distopt import ops
 
 import op_helpers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "csrc"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "csrc"))
 import build_config  # noqa: E402
 
 EMULATED_NAMESPACE = "distopt_emulated"
 _emulated_lib: torch.library.Library | None = None
+_emulated: Any = None
+
+
+def build_emulated() -> Any:
+    """distopt._C_emulated (csrc/build_config.py), built by torch's extension loader against the running
+    torch and imported. It is test-only, so never installed: built here once per source change, torch and
+    Python, under build/emulation/ (the first build takes a few minutes)."""
+    from torch.utils import cpp_extension
+
+    kw = build_config.emulated_extension_kwargs()
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}".replace("+", "_")
+    build_dir = ROOT / "build" / "emulation" / f"_C_emulated-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name="_C_emulated",
+        sources=[str(ROOT / s) for s in kw["sources"]],
+        extra_cflags=[*kw["extra_compile_args"]["cxx"], *(f"-D{k}={v}" for k, v in kw["define_macros"])],
+        extra_include_paths=kw["include_dirs"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 def load_emulated() -> Any:
-    """Imports distopt._C_emulated, whose kernels implement torch.ops.distopt_emulated.* (schemas: ops.py's)."""
-    global _emulated_lib
+    """distopt._C_emulated, whose kernels implement torch.ops.distopt_emulated.* (schemas: ops.py's)."""
+    global _emulated_lib, _emulated
     if _emulated_lib is None:
         lib = torch.library.Library(EMULATED_NAMESPACE, "DEF")
         for name, schema in ops._SCHEMAS.items():
             lib.define(name + schema)
         _emulated_lib = lib
-    import distopt._C_emulated as emulated
-
-    return emulated
+    if _emulated is None:
+        _emulated = build_emulated()
+    return _emulated
 
 
 def emulated_or_skip() -> Any:

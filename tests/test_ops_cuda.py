@@ -90,12 +90,12 @@ def many_sizes(n: int, high: int = 3000) -> list[int]:
 
 
 def test_cuda_kernel_is_compiled():
-    """The CUDA kernels come from distopt._C, not the reference fallback (else these tests would
+    """The CUDA kernels come from distopt._C_cuda, not the reference fallback (else these tests would
     compare the oracle with itself)."""
-    assert ops.HAS_EXTENSION, ops._IMPORT_ERROR
+    assert ops.HAS_CUDA_EXTENSION, ops._CUDA_IMPORT_ERROR
     for op in OP_NAMES:
         where = kernel_registration(op, "CUDA")
-        assert "registration.cpp" in where, f"{op}: {where}"
+        assert "registration_cuda.cpp" in where, f"{op}: {where}"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -160,13 +160,13 @@ def base_command(bc) -> list[str]:
     import torch
     from torch.utils import cpp_extension as ce
 
-    kw = bc.extension_kwargs(True)
+    kw = bc.cuda_extension_kwargs()
     try:
         includes = ce.include_paths(device_type="cuda")
     except TypeError:  # torch < 2.5
         includes = ce.include_paths(cuda=True)
     defines = [f"{k}={v}" for k, v in kw["define_macros"]] + [
-        "TORCH_EXTENSION_NAME=_C", "TORCH_API_INCLUDE_EXTENSION_H",
+        "TORCH_EXTENSION_NAME=_C_cuda", "TORCH_API_INCLUDE_EXTENSION_H",
         f"_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     return [*ce.COMMON_NVCC_FLAGS, *kw["extra_compile_args"]["nvcc"], f"-std=c++{bc.cxx_standard()}",
             *(f"-D{d}" for d in defines), *(f"-I{i}" for i in [*includes, sysconfig.get_paths()["include"]])]
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     key_parts = [tool_version(tools["nvcc"]), tool_version(tools["cuobjdump"]), torch.__version__,
                  sources_digest(csrc)]
-    sources = [bc.ROOT / s for s in bc.CUDA_SOURCES]
+    sources = [bc.ROOT / s for s in bc.CUDA_KERNEL_SOURCES]
     jobs = [(src, arch) for src in sources for arch in archs]
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

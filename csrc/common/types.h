@@ -1,13 +1,14 @@
 // Element types, their conversions to and from fp32, and plain tensor-list descriptors shared by
 // the CPU and CUDA kernels.
 //
-// Kernels never see ATen: the binding layer (binding.cpp) turns at::Tensor lists into these
-// descriptors. The 16-bit storage types are c10's header-only Half/BFloat16 (layout only: the
-// kernels convert with the functions below, not with c10's casts, see the Note there).
+// Kernels never see ATen: the binding layer (binding.cpp) turns torch::stable::Tensor lists into these
+// descriptors. The 16-bit storage types are torch's header-only c10::Half/BFloat16 (torch/headeronly:
+// no libtorch symbol; layout only: the kernels convert with the functions below, not with c10's casts,
+// see the Note there).
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <cstdint>
 #include <cstring>

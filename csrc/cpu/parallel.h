@@ -1,7 +1,7 @@
 // The CPU kernels' one way to use threads, free of ATen: parallel_for over an index range.
 //
-// Implemented in the binding layer (csrc/parallel.cpp) with at::parallel_for, so the kernels run on
-// torch's intra-op thread pool and honour torch.set_num_threads(). The kernels only ever split work
+// Implemented in the binding layer (csrc/parallel.cpp) with torch's stable parallel_for, so the kernels
+// run on torch's intra-op thread pool and honour torch.set_num_threads(). The kernels only ever split work
 // into disjoint index ranges whose results do not depend on where the ranges begin and end.
 #pragma once
 

@@ -1,40 +1,26 @@
-// The one place op implementations are registered with the dispatcher, one registration per device
-// type, so the dispatcher (not the binding) chooses the kernels. The schemas themselves are defined in
-// distopt/ops.py, so the pure-PyTorch fallback and these kernels share them.
+// distopt._C: the CPU kernels (csrc/cpu) registered for CPU tensors. The schemas themselves are defined
+// in distopt/ops.py, so the pure-PyTorch fallback and these kernels share them. Built on the stable ABI
+// and the Python limited API (one abi3 module for every supported torch and Python).
 #include <Python.h>
-#include <torch/library.h>
 
 #include <stdexcept>
 
 #include "binding.h"
-#if !defined(DISTOPT_EMULATED)
 #include "cpu/isa.h"
-#endif
 
 namespace distopt {
-namespace {
 
-template <typename Kernels>
-void register_impls(torch::Library& m) {
-  m.impl("adam_step_", &adam_step_<Kernels>);
-  m.impl("l2norm", &l2norm<Kernels>);
-  m.impl("scale_", &scale_<Kernels>);
-  m.impl("cast_copy_", &cast_copy_<Kernels>);
-}
+struct CpuKernels {
+  static void adam(const Device&, const TensorLists& tl, const AdamArgs& args) { adam_cpu(tl, args); }
+  static void l2norm(const Device&, const TensorLists& tl, float* total, float* per_tensor, float* found_inf) {
+    l2norm_cpu(tl, total, per_tensor, found_inf);
+  }
+  static void scale(const Device&, const TensorLists& tl, const ScaleArgs& args) { scale_cpu(tl, args); }
+};
 
-}  // namespace
 }  // namespace distopt
 
-#if defined(DISTOPT_EMULATED)
-// distopt._C_emulated (csrc/emulation/module.cpp): the CUDA kernels, run by the SIMT emulator, for
-// CPU tensors, under their own namespace (the tests define its schemas from distopt/ops.py's).
-TORCH_LIBRARY_IMPL(distopt_emulated, CPU, m) { distopt::register_impls<distopt::CudaKernels>(m); }
-#else
-TORCH_LIBRARY_IMPL(distopt, CPU, m) { distopt::register_impls<distopt::CpuKernels>(m); }
-
-#if defined(DISTOPT_WITH_CUDA)
-TORCH_LIBRARY_IMPL(distopt, CUDA, m) { distopt::register_impls<distopt::CudaKernels>(m); }
-#endif
+STABLE_TORCH_LIBRARY_IMPL(distopt, CPU, m) { distopt::register_impls<distopt::CpuKernels>(m); }
 
 // `import distopt._C` loads this library (running the registrations above). The module itself only
 // reports the CPU kernels' vector ISA (csrc/cpu/isa.h), for the tests and the benchmarks.
@@ -83,4 +69,3 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
       PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
-#endif
