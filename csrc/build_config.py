@@ -258,7 +258,8 @@ def write_cmake(path: Path) -> None:
     # COMMON_NVCC_FLAGS and _get_cuda_arch_flags are what BuildExtension itself passes to nvcc (the
     # latter is private; present from torch 2.0 through 2.15). Each flag must stay one token: CMake
     # de-duplicates compile options, which would mangle two-token flags.
-    nvcc = ce.COMMON_NVCC_FLAGS + cuda["extra_compile_args"]["nvcc"] + (ce._get_cuda_arch_flags([]) if with_cuda else [])
+    arch = ce._get_cuda_arch_flags([]) if with_cuda else []
+    nvcc = ce.COMMON_NVCC_FLAGS + cuda["extra_compile_args"]["nvcc"] + arch
     includes = ce.include_paths() + [sysconfig.get_paths()["include"]]
 
     def cm(values) -> str:
