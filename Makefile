@@ -1,39 +1,53 @@
 # Two commands on a fresh machine (Python 3.10+ with pip; nvcc optional):
-#   make train   the main job (see README)
-#   make test    the test suite (what CI runs)
-# Both create .venv, install torch and build distopt._C on first use.
+#   make train   the main job (see README): installs torch and distopt only
+#   make test    the test suite (what CI runs in each torch): also the test tools and the integrations'
+#                frameworks
+# Both create .venv and install distopt from this checkout in editable mode on first use: pip builds
+# distopt._C (and distopt._C_cuda with nvcc) in an isolated environment with whichever torch >= 2.11 it
+# fetches; the modules use only torch's stable ABI, so they load under the torch installed here.
+# Developers who rebuild often: `make test PIP_BUILD=--no-build-isolation` builds with .venv's torch (no
+# download), or `python setup.py build_ext --inplace` after editing csrc/ (see README, Building).
 
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.distopt-built
-SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
+PYTHON    ?= python3
+PIP_BUILD ?=
+VENV      := .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip install -q
+STAMP     := $(VENV)/.distopt-built
+TEST_DEPS := $(VENV)/.test-deps
+SOURCES   := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: train test env clean
 
 train: $(STAMP)
 	$(PY) examples/train.py $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest
+# pytest from .venv/bin, not `python -m pytest`: the latter puts the checkout first on sys.path, which is
+# the same distopt here (editable) but not in CI, which tests an installed wheel the same way.
+test: $(STAMP) $(TEST_DEPS)
+	$(VENV)/bin/pytest
 
-env: $(STAMP)
+env: $(STAMP) $(TEST_DEPS)
 
-$(VENV)/.deps:
+$(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch ninja "pytest>=8" hypothesis numpy matplotlib expecttest
-	# the integrations are tested with the real frameworks (optional at run time: see pyproject extras)
-	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
-	# torchtitan's optimizer container and checkpointer need only tyro and spmd_types to import; its other
-	# dependencies serve its trainer (datasets, wandb, tensorboard) and would pin huggingface_hub below 2.
-	$(PY) -m pip install -q tyro "spmd_types==0.2.3; python_version >= '3.11'"
-	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0; python_version >= '3.11'"
+	$(PIP) --upgrade pip
+	$(PIP) torch
 	touch $@
 
-# --no-build-isolation: link against the torch installed above (isolation would fetch a second one).
-$(STAMP): $(VENV)/.deps $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation -e .
+# The test tools, and the integrations tested with the real frameworks (optional at run time: see the
+# pyproject extras). torchtitan's optimizer container and checkpointer need only tyro and spmd_types to
+# import; its other dependencies serve its trainer (datasets, wandb, tensorboard) and would pin
+# huggingface_hub below 2. ninja and setuptools: the tests build distopt._C_emulated with this torch.
+$(TEST_DEPS): $(VENV)/.base
+	$(PIP) ninja setuptools "pytest>=8" hypothesis numpy matplotlib expecttest
+	$(PIP) "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
+	$(PIP) tyro "spmd_types==0.2.3; python_version >= '3.11'"
+	$(PIP) --no-deps "torchtitan==0.3.0; python_version >= '3.11'"
+	touch $@
+
+$(STAMP): $(VENV)/.base $(SOURCES)
+	$(PIP) $(PIP_BUILD) -e .
 	touch $@
 
 clean:

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
-from common import REPO_ROOT, plot_bars, publish, run_metadata, summarize, table_row  # noqa: E402
+from common import plot_bars, publish, run_metadata, summarize, table_row  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 RTOL, ATOL = 1e-4, 1e-6  # the pairs agree to fp32 rounding; a wrong update misses by orders more
@@ -258,8 +258,7 @@ def _ws2_rank(rank: int, world_size: int, case: Case, cfg: Config) -> tuple[dict
 
 
 def dfa_ws2_case(case: Case, cfg: Config, timeout: float) -> Row:
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
-    from harness import run_ranks
+    from distopt.testing import run_ranks
 
     times, diff, reference = run_ranks(_ws2_rank, 2, (case, cfg), timeout=timeout)[0]
     return make_row(case, times, diff, reference)
@@ -335,8 +334,7 @@ def _fsdp2_rank(rank: int, world_size: int, case: Case, cfg: Config) -> tuple[di
 
 def fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list[Row]:
     """The fsdp2 rows (those in `cases`) from one run on 2 forked ranks; times are rank 0's."""
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
-    from harness import run_ranks
+    from distopt.testing import run_ranks
 
     times, diffs, reference = run_ranks(_fsdp2_rank, 2, (cases[0], cfg), timeout=timeout)[0]
     pairs = {"fsdp2_fused": ("distopt", "fused"), "fsdp2_foreach": ("distopt", "foreach"),

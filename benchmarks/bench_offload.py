@@ -57,7 +57,7 @@ from bench_host import alternate  # noqa: E402
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
-from common import REPO_ROOT, plot_bars, publish, run_metadata, summarize, sync, table_row  # noqa: E402
+from common import plot_bars, publish, run_metadata, summarize, sync, table_row  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -355,8 +355,7 @@ def run_cases(cases: Sequence[Case], size: Size, device: torch.device, timeout: 
             dist.destroy_process_group()
     forked = [c for c in cases if c.world_size > 1]
     if forked:
-        sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
-        from harness import run_ranks
+        from distopt.testing import run_ranks
 
         for c in forked:
             rows.append(Row(**run_ranks(_ws2_rank, c.world_size, (c, size), timeout=timeout)[0]))

@@ -339,9 +339,8 @@ def run_in_process(spec: Spec) -> dict[str, Any]:
 
 
 def run_forked(spec: Spec, timeout: float) -> dict[str, Any]:
-    """Gloo ranks in forked processes (tests/distributed/harness.py): rank 0's results."""
-    sys.path.insert(0, str(REPO_ROOT / "tests" / "distributed"))
-    from harness import run_ranks
+    """Gloo ranks in forked processes (distopt.testing): rank 0's results."""
+    from distopt.testing import run_ranks
 
     return run_ranks(rank_main, spec.world_size, (spec,), timeout=timeout)[0]
 

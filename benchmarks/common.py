@@ -1,7 +1,7 @@
 """Timing, copy-bandwidth, device-check and result-writing (JSON, table, plot) helpers shared by the
 benchmark scripts.
 
-Timing method (DESIGN.md section 6): warm-up, then many timed runs, reporting the median with the 10th
+Timing method: warm-up, then many timed runs, reporting the median with the 10th
 and 90th percentiles. On CUDA each run is bracketed by CUDA events (GPU time, no host sync inside the
 loop); on CPU by ``time.perf_counter``.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call, under 10 minutes on one H100 (DESIGN.md section 6):
+# The whole GPU suite in one call, under 10 minutes on one H100:
 #   device   OUT_DIR/device.txt: GPU, driver, torch/CUDA/nvcc versions, git commit
 #   build    pip install --no-build-isolation -e .   (no downloads: the machine has no internet)
 #   pytest   python -m pytest -m cuda -v             -> OUT_DIR/pytest_cuda.log
