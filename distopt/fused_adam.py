@@ -27,8 +27,8 @@ from .grad_scaling import GradScaling, count_step
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
 _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_inv_scale", "_clip_coef", "_found_inf",
-            "_unscaled", "_clips")
-_TRANSIENT = ("_scaler", "_raw_norm", "_raw_norm_key", "_graph_lrs", "_plan", "_host", "_norm_reduction")
+            "_scaling")
+_TRANSIENT = ("_scaler", "_graph_lrs", "_plan", "_host")
 
 
 class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
@@ -130,7 +130,6 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         self.capturable = capturable
         self.offload_optimizer = bool(offload_optimizer)
         self._host: HostStep | None = None  # built at the first use (distopt/_host_step.py)
-        self._norm_reduction: dtensor.NormReduction | None = None  # how grad norms combine (distopt/dtensor.py)
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
@@ -352,12 +351,12 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         if scale is not None:
             # In double, as GradScaler.unscale_ does, so both paths multiply by the same float.
             grad_scale = scale.double().reciprocal().float().to(self._device)
-        if self._unscaled or self._clips:
+        if self._scaling.unscaled or self._scaling.clips:
             deferred = self.deferred_grad_scale()
             grad_scale = deferred if grad_scale is None else grad_scale * deferred
         if found_inf is not None:
             found_inf = found_inf.to(device=self._device, dtype=torch.float32).reshape(())
-        elif self._unscaled:
+        elif self._scaling.unscaled:
             found_inf = self._found_inf
         return grad_scale, found_inf
 
@@ -371,7 +370,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         shards reduced over their meshes, each element counted once (distopt/dtensor.py); the sum over
         the params of `subset` (positions in param_groups) only."""
         params = [p for group in self.param_groups for p in group["params"]]
-        sq_and_flag, self._norm_reduction = dtensor.norm_sq_and_flag(self._norm_reduction, params, self._device,
+        state = self._scaling
+        sq_and_flag, state.norm_reduction = dtensor.norm_sq_and_flag(state.norm_reduction, params, self._device,
                                                                      subset)
         return sq_and_flag
 

@@ -20,6 +20,8 @@ the scaler itself does; it has been stable since torch 1.6.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +41,23 @@ def count_step(steps: list[Tensor], found_inf: Tensor | None) -> None:
         torch._foreach_add_(steps, 1 - found_inf, alpha=1)
 
 
+@dataclass
+class ScalingState:
+    """What the grad scaling knows of the current iteration, and its caches. An object of its own, not
+    attributes of the optimizer: torch 2.11's Dynamo cannot trace an attribute assignment on an optimizer
+    (later torch can), and a compiled training step assigns these when it clips, unscales or steps."""
+
+    unscaled: bool = False  # a loss-scale inverse was folded in this iteration
+    clips: list[tuple[float, Tensor]] = field(default_factory=list)  # (max_norm, returned norm)
+    raw_norm: Tensor | None = None  # norm of the grads as stored, before the deferred factors
+    raw_norm_key: Any = None  # (_grads_key(), subset) when raw_norm was computed
+    norm_reduction: Any = None  # the subclass's cache of how its grads' norms combine (FusedAdam: dtensor.py)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickles and deep copies drop the caches: they describe the original's grads and params.
+        return {**self.__dict__, "raw_norm": None, "raw_norm_key": None, "norm_reduction": None}
+
+
 class GradScaling:
     """Mixin: subclasses call ``_init_grad_scaling(device)`` and implement ``_norm_sq_and_flag``,
     ``_grads_key`` and ``_norm_index``."""
@@ -50,10 +69,7 @@ class GradScaling:
         self._inv_scale = torch.ones((), dtype=torch.float32, device=device)  # folded loss unscale
         self._clip_coef = torch.ones((), dtype=torch.float32, device=device)  # product of clip coefficients
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        self._raw_norm: Tensor | None = None  # norm of the grads as stored, before the deferred factors
-        self._raw_norm_key = None  # _grads_key() when _raw_norm was computed
-        self._unscaled = False  # a loss-scale inverse was folded in this iteration
-        self._clips: list[tuple[float, Tensor]] = []  # (max_norm, returned norm) of this iteration
+        self._scaling = ScalingState()
         self._scaler: weakref.ref | None = None
 
     # Subclasses: [sum of squares, nonzero if any inf/nan] of the grads as stored, over every rank; the
@@ -70,16 +86,13 @@ class GradScaling:
         raise NotImplementedError
 
     def _reset_grad_scaling(self) -> None:
-        """Starts a new iteration (after step, or on zero_grad). Assigns only what changes: torch 2.11's
-        Dynamo cannot trace an attribute assignment on an optimizer (its OptimizerVariable lacks an
-        AttributeMutation type; later torch has it), and a compiled step ends here."""
+        """Starts a new iteration (after step, or on zero_grad)."""
         self._inv_scale.fill_(1.0)
         self._clip_coef.fill_(1.0)
-        if self._raw_norm is not None:
-            self._raw_norm = None
-        if self._unscaled:
-            self._unscaled = False
-        self._clips.clear()
+        state = self._scaling
+        state.raw_norm = None
+        state.unscaled = False
+        state.clips = []
 
     def _raw_grad_norm(self, subset=_LAST, force: bool = False) -> Tensor:
         """The norm of the grads as stored (before the deferred factors), cached until they change: of
@@ -87,18 +100,19 @@ class GradScaling:
         whichever params (apex's cache, which a clip after ``grad_norm(parameters=...)`` relies on),
         else of all. `force` recomputes. The inf/nan flag always covers every param."""
         key = self._grads_key()
-        cached = not force and self._raw_norm is not None and self._raw_norm_key[0] == key
+        state = self._scaling
+        cached = not force and state.raw_norm is not None and state.raw_norm_key[0] == key
         if subset is _LAST:
             if cached:
-                return self._raw_norm
+                return state.raw_norm
             subset = None
-        elif cached and self._raw_norm_key[1] == subset:
-            return self._raw_norm
+        elif cached and state.raw_norm_key[1] == subset:
+            return state.raw_norm
         sq_and_flag = self._norm_sq_and_flag() if subset is None else self._norm_sq_and_flag(subset)
-        self._raw_norm = sq_and_flag[0].sqrt()
-        self._raw_norm_key = (key, subset)
+        state.raw_norm = sq_and_flag[0].sqrt()
+        state.raw_norm_key = (key, subset)
         torch.clamp(sq_and_flag[1], max=1.0, out=self._found_inf)
-        return self._raw_norm
+        return state.raw_norm
 
     def _norm_subset(self, parameters) -> frozenset[int] | None:
         """The indices of `parameters` (a param or an iterable of them) in ``_norm_index()``; None if
@@ -146,7 +160,7 @@ class GradScaling:
         if float(norm_type) != 2.0:
             raise NotImplementedError(f"clip_grad_norm supports the L2 norm only, got norm_type={norm_type}")
         norm = self.grad_norm(parameters)
-        self._clips.append((float(max_norm), norm))
+        self._scaling.clips.append((float(max_norm), norm))
         self._clip_coef.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
         return norm
 
@@ -172,14 +186,14 @@ class GradScaling:
     def _fold_unscale(self, inv: float | Tensor) -> None:
         # A number or a device tensor: never a host-to-device copy, which CUDA-graph capture forbids.
         self._inv_scale.mul_(inv)
-        if self._clips:  # clipped before the scale was known: redo the clips with it
+        if self._scaling.clips:  # clipped before the scale was known: redo the clips with it
             self._redo_clips()
-        self._unscaled = True
+        self._scaling.unscaled = True
 
     def _redo_clips(self) -> None:
         raw = self._raw_grad_norm()
         self._clip_coef.fill_(1.0)
-        for max_norm, returned in self._clips:
+        for max_norm, returned in self._scaling.clips:
             norm = raw * self.deferred_grad_scale().abs()
             returned.copy_(norm)
             self._clip_coef.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
@@ -205,7 +219,7 @@ class GradScaling:
     def _catch_up_with_scaler(self) -> None:
         """Framework style: if a known scaler's stock unscale_() skipped our grads, unscale now."""
         scaler = self._scaler() if self._scaler is not None else None
-        if scaler is not None and not self._unscaled and self._scaler_skipped_us(scaler):
+        if scaler is not None and not self._scaling.unscaled and self._scaler_skipped_us(scaler):
             self._fold_unscale(scaler._scale.double().reciprocal().float())
             self._record(scaler)
 

@@ -377,7 +377,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             found_inf = self._settle_with_scaler(grad_scaler)
         else:
             self._catch_up_with_scaler()
-            if self._unscaled:
+            if self._scaling.unscaled:
                 self._raw_grad_norm()
                 found_inf = self._found_inf
         grad_scale = self.deferred_grad_scale()
