@@ -31,8 +31,8 @@ of DDP's, measured as ||difference|| / ||params|| over all params, and exits wit
 otherwise. On 2 CPU ranks the ratio comes out at about 1 (0.94 to 1.04 over seeds 0-3 at 60 and 120
 steps): both runs are the reference plus a last-bit perturbation per step. The factor 10 leaves room
 for larger ones (sums over many ranks in another order round differently by a few ulps), while real
-mistakes stand far out: distopt with eps 1e-7 instead of 1e-8 lands 80 times the control's distance
-away, without weight decay 200 times, with eps 1e-6 300 times. (The largest |difference| of a single
+mistakes stand far out: distopt with eps 1e-7 instead of 1e-8 lands 52 times the control's distance
+away, without weight decay 154 times, with eps 1e-6 215 times (seed 0, 120 steps). (The largest |difference| of a single
 element, also printed, is a noisier measure: it follows the few weights whose second moments are
 near zero.)
 
