@@ -46,7 +46,8 @@ TensorList describe(at::TensorList list, at::TensorList ref, const char* name, c
                   : kind == "fp32"  ? dtype == at::kFloat
                   : kind == "state" ? (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kByte)
                                     : dtype == at::kShort;
-  TORCH_CHECK_TYPE(ok, name, ": expected ", allowed, " tensors, got ", dtype);
+  TORCH_CHECK_TYPE(ok, name, ": expected ", kind == "state" ? "fp32, bf16 or uint8 (8-bit blockwise)" : allowed,
+                   " tensors, got ", dtype);
   out.dtype = to_dtype(dtype, name);
   out.data.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
@@ -115,6 +116,9 @@ struct CudaKernels {
 #endif
   }
   static void adam(const at::Device& device, const TensorLists& tl, const AdamArgs& args) {
+    // Until the CUDA kernels learn the formats of Note [State formats]: refuse, never misread them.
+    TORCH_CHECK_NOT_IMPLEMENTED(args.plain_states(), "adam_step_: the CUDA kernels do not implement bf16 or 8-bit "
+                                "moments or stochastic rounding yet");
     on_stream(device, [&](void* stream) { adam_cuda(tl, args, stream); });
   }
   static void l2norm(const at::Device& device, const TensorLists& tl, float* total, float* per_tensor,
@@ -191,6 +195,8 @@ TensorList describe_scales(at::TensorList scales, at::TensorList states, const c
     TORCH_CHECK_VALUE(t.numel() == blocks && t.is_contiguous(), name, "[", i, "]: expected ", blocks,
                       " contiguous elements (one per ", kQuantBlock, " of ", states_name, "[", i, "]), got ",
                       t.numel());
+    TORCH_CHECK_VALUE(blocks == 0 || t.data_ptr() != states[i].data_ptr(), name, "[", i, "] must not alias ",
+                      states_name, "[", i, "]");
     out.data.push_back(t.data_ptr());
   }
   return out;
@@ -231,19 +237,32 @@ TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::Tenso
   }
   tl.lists[kExpAvgScale] = describe_scales(exp_avg_scales, exp_avgs, "exp_avg_scales", "exp_avgs");
   tl.lists[kExpAvgSqScale] = describe_scales(exp_avg_sq_scales, exp_avg_sqs, "exp_avg_sq_scales", "exp_avg_sqs");
+  for (size_t i = 0; i < exp_avg_scales.size() && i < exp_avg_sq_scales.size(); ++i) {
+    TORCH_CHECK_VALUE(exp_avg_scales[i].numel() == 0 || exp_avg_scales[i].data_ptr() != exp_avg_sq_scales[i].data_ptr(),
+                      "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i, "] must not alias");
+  }
   tl.numel = numels(params);
   return tl;
 }
 
 // Stochastic rounding's seed and per-entry keys (Note [Stochastic rounding bits]): with a seed, one
 // param id (0 <= id < 2^32) per entry and optionally the offset of each entry's first element within
-// its param (>= 0; default 0).
+// its param (>= 0; default 0). With 8-bit moments an offset must be a multiple of kQuantBlock, so the
+// entry's blocks are its param's blocks. Reads args' formats.
 void set_rounding(AdamArgs& args, std::optional<int64_t> seed, at::IntArrayRef param_ids,
                   at::IntArrayRef param_offsets, size_t count) {
   TORCH_CHECK_VALUE(param_ids.empty() || param_ids.size() == count, "param_ids: expected one id per param (",
                     count, "), got ", param_ids.size());
   TORCH_CHECK_VALUE(param_offsets.empty() || param_offsets.size() == count,
                     "param_offsets: expected one offset per param (", count, "), got ", param_offsets.size());
+  const bool blockwise =
+      args.exp_avg_format == StateFormat::Blockwise8 || args.exp_avg_sq_format == StateFormat::Blockwise8;
+  for (size_t i = 0; i < param_offsets.size(); ++i) {
+    TORCH_CHECK_VALUE(param_offsets[i] >= 0, "param_offsets[", i, "] must be >= 0, got ", param_offsets[i]);
+    TORCH_CHECK_VALUE(!blockwise || param_offsets[i] % kQuantBlock == 0, "param_offsets[", i, "] = ",
+                      param_offsets[i], ": with 8-bit moments an entry must start at a multiple of ", kQuantBlock,
+                      " elements of its param (its quantisation blocks are the param's)");
+  }
   if (!seed.has_value()) return;
   TORCH_CHECK_VALUE(param_ids.size() == count, "stochastic rounding (a rounding seed) needs param_ids: one id per param (",
                     count, "), got ", param_ids.size());
@@ -254,10 +273,7 @@ void set_rounding(AdamArgs& args, std::optional<int64_t> seed, at::IntArrayRef p
                       "] must be in [0, 2^32), got ", param_ids[i]);
     args.param_ids.push_back(static_cast<uint32_t>(param_ids[i]));
   }
-  for (size_t i = 0; i < param_offsets.size(); ++i) {
-    TORCH_CHECK_VALUE(param_offsets[i] >= 0, "param_offsets[", i, "] must be >= 0, got ", param_offsets[i]);
-    args.param_offsets.push_back(static_cast<uint64_t>(param_offsets[i]));
-  }
+  for (const int64_t offset : param_offsets) args.param_offsets.push_back(static_cast<uint64_t>(offset));
 }
 
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,

@@ -174,21 +174,23 @@ def adam_step_(
     * ``torch.uint8``: 8-bit blockwise. Codes of bitsandbytes' dynamic map (signed for exp_avgs,
       unsigned for exp_avg_sqs) and one float32 absmax per 256 elements: ``exp_avg_scales[i]`` (resp.
       ``exp_avg_sq_scales[i]``) is a contiguous float32 tensor of ``ceil(numel / 256)`` elements, blocks
-      counted from the entry's first element. A value is read as ``map[code] * absmax`` and stored as the
-      code nearest to ``value * (1 / absmax)`` (the new absmax: the block's largest magnitude). The
+      counted from the entry's first element in memory order (the order every list is walked in: the
+      logical order for contiguous entries). A value is read as ``map[code] * absmax`` and stored as
+      the code nearest to ``value * (1 / absmax)`` (the new absmax: the block's largest magnitude). The
       scales lists are empty for the other formats. ``state_formats.quantize_blockwise`` and
       ``state_formats.dequantize_blockwise`` convert to and from fp32 with the kernel's arithmetic, bit for
       bit (for checkpoints); ``state_formats.dynamic_map`` is the map.
 
     An entry that is a slice of a larger param (a shard) must start at a multiple of 256 elements of the
-    param for its 8-bit blocks to be the param's blocks.
+    param for its 8-bit blocks to be the param's blocks: with 8-bit moments, ``param_offsets`` must be
+    multiples of 256.
 
     Stochastic rounding: with ``rounding_seed`` (any int64), every store to bf16 (bf16 moments, and bf16
     params without remainders) rounds up or down with probability proportional to the distance, so the
     stored value is unbiased (8-bit codes and fp16 stores stay round-to-nearest; param_outs receive the
     param's rounded value). The random bits come from Philox4x32-10 keyed by (``rounding_seed``, step,
-    ``param_ids[i]``, element index), where the element index counts from the param's first element:
-    ``param_offsets[i]`` (default 0) is the entry's first element within its param. So the bits are the
+    ``param_ids[i]``, element index), where the element index counts from the param's first element (in
+    memory order): ``param_offsets[i]`` (default 0) is the entry's first element within its param. So the bits are the
     same on CPU and CUDA, for any thread count, launch split, bucket layout or world size, and after a
     resume that restores the seed and step. ``param_ids`` (one per entry, 0 <= id < 2**32) is then
     required; a param split over several entries (shards, buckets) keeps one id. Without a seed every

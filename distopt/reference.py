@@ -51,6 +51,16 @@ def split_bf16_remainder(x: Tensor) -> tuple[Tensor, Tensor]:
     return hi_signed.to(torch.int16).view(torch.bfloat16), lo_signed.to(torch.int16)
 
 
+def _memory_order(t: Tensor) -> Tensor:
+    """``t``'s elements as a 1-D view in memory order: the order in which the kernels walk a dense tensor,
+    count its 8-bit blocks and number its elements for stochastic rounding."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not t.is_non_overlapping_and_dense():
+        raise ValueError("low-precision moments and stochastic rounding need dense tensors")
+    return t.as_strided((t.numel(),), (1,))
+
+
 def _read_moment(x: Tensor, scales: Sequence[Tensor], i: int, signed: bool) -> Tensor:
     if x.dtype == torch.uint8:
         return sf.dequantize_blockwise(x, scales[i], signed).double()
@@ -97,6 +107,12 @@ def _adam(
     skip = _skip_mask(found_inf, device)
     scale = grad_scale.double().reshape(()) if grad_scale is not None else 1.0
     lr64 = lr.double().reshape(()) if isinstance(lr, Tensor) else lr
+    flat = rounding is not None or any(x[0].dtype != torch.float32 for x in (exp_avgs, exp_avg_sqs))
+    if flat:  # blocks and rounding indices count elements in memory order
+        lists = (params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders)
+        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders = (
+            [_memory_order(t) for t in lst] for lst in lists
+        )
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         step = steps[i]
         step64 = step.double().reshape(()) if isinstance(step, Tensor) else float(step)

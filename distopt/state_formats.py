@@ -77,7 +77,8 @@ def block_absmax(x: Tensor) -> Tensor:
     """Per block the largest |x| (float32), or NaN (0x7FC00000) if the block holds a NaN."""
     b = _blocks(x.float())
     nan = torch.tensor(_CANONICAL_NAN_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
-    return torch.where(b.isnan().any(dim=1), nan, b.abs().nan_to_num(nan=0.0).amax(dim=1))
+    finite_max = b.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(dim=1)  # an inf stays inf
+    return torch.where(b.isnan().any(dim=1), nan, finite_max)
 
 
 def quantize_blockwise(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:

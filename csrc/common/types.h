@@ -19,6 +19,13 @@
 #define DISTOPT_HD inline
 #endif
 
+// `#pragma unroll` for the device compiler only (host compilers warn about it, and unroll on their own).
+#if defined(__CUDA_ARCH__)
+#define DISTOPT_UNROLL _Pragma("unroll")
+#else
+#define DISTOPT_UNROLL
+#endif
+
 namespace distopt {
 
 using half_t = c10::Half;

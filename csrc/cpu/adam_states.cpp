@@ -203,6 +203,9 @@ struct StatesRange {
     const TensorLists& tl = *ctx->tl;
     const std::vector<int64_t>& offsets = *ctx->block_offsets;
     const bool sr = ctx->args->stochastic_rounding;
+    // Random words only where a bf16 store takes them (Philox is the costliest part of a rounded update).
+    const bool bits_needed = sr && (kRoundParam || ctx->m.format == StateFormat::BFloat16 ||
+                                    ctx->v.format == StateFormat::BFloat16);
     alignas(64) float mbuf[kQuantBlock], vbuf[kQuantBlock], pbuf[kQuantBlock];
     alignas(64) uint32_t rnd[3][kQuantBlock];
     for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
@@ -233,7 +236,7 @@ struct StatesRange {
       for (int64_t blk = b - first; blk < block_hi; ++blk) {
         const int64_t lo = blk * kQuantBlock;
         const int64_t n = numel - lo < kQuantBlock ? numel - lo : kQuantBlock;
-        if (sr) {
+        if (bits_needed) {
           for (int64_t j = 0; j < n; ++j) {
             const Philox4 r = rounding_bits(key, lo + j);
             rnd[0][j] = r.w[0];
@@ -272,8 +275,8 @@ struct StatesRange {
             adam_piece<P, G, NoList, kRem>(p, g, m, v, nullptr, rem, n, c, gf);
           }
         }
-        write_moment(ctx->m, i, lo, blk, n, m, sr ? rnd[1] : nullptr);
-        write_moment(ctx->v, i, lo, blk, n, v, sr ? rnd[2] : nullptr);
+        write_moment(ctx->m, i, lo, blk, n, m, bits_needed ? rnd[1] : nullptr);
+        write_moment(ctx->v, i, lo, blk, n, v, bits_needed ? rnd[2] : nullptr);
       }
       b = first + block_hi;
     }

@@ -101,7 +101,7 @@ DISTOPT_HD int quantize_code(float y, const float* thr, bool is_signed) {
   if (y != y) return zero_code(is_signed);
   const bool negative = y < 0.0f;
   int pos = 0;
-#pragma unroll
+DISTOPT_UNROLL
   for (int s = 128; s > 0; s >>= 1) {
     const float t = thr[pos + s - 1];
     if (negative ? t <= y : t < y) pos += s;
@@ -156,7 +156,7 @@ DISTOPT_HD void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& l
 
 DISTOPT_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-#pragma unroll
+DISTOPT_UNROLL
   for (int round = 0; round < 10; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
     philox_mulhilo(kM0, c0, hi0, lo0);
