@@ -116,9 +116,6 @@ struct CudaKernels {
 #endif
   }
   static void adam(const at::Device& device, const TensorLists& tl, const AdamArgs& args) {
-    // Until the CUDA kernels learn the formats of Note [State formats]: refuse, never misread them.
-    TORCH_CHECK_NOT_IMPLEMENTED(args.plain_states(), "adam_step_: the CUDA kernels do not implement bf16 or 8-bit "
-                                "moments or stochastic rounding yet");
     on_stream(device, [&](void* stream) { adam_cuda(tl, args, stream); });
   }
   static void l2norm(const at::Device& device, const TensorLists& tl, float* total, float* per_tensor,

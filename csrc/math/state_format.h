@@ -60,9 +60,13 @@ DISTOPT_HD float dynamic_map_linspace(int steps, int k) {
 DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
   if (code == kCodes - 1) return 1.0f;
   int j;  // 1-based rank among the positive means
+  bool negative = false;  // the signed map's lower half mirrors the upper (no recursion: none on the GPU)
   if (is_signed) {
     if (code == 127) return 0.0f;
-    if (code < 127) return -dynamic_map_value(true, 254 - code);
+    if (code < 127) {
+      negative = true;
+      code = 254 - code;
+    }
     j = code - 127;  // 1..127: decade d has ranks [2^d, 2^(d+1))
   } else {
     if (code == 0) return 0.0f;
@@ -74,9 +78,11 @@ DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
   const int n = 1 << lg;  // means in the decade: 2^d (signed) or 2^(d+1) (unsigned)
   const int k = j - n;
   // 10^(d-6) as Python computes it (a double), then cast to fp32 as torch does for a scalar operand.
-  constexpr double kScales[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+  // (Selects, not an array: a device function would index an array in local memory.)
+  const double scale = d == 0 ? 1e-6 : d == 1 ? 1e-5 : d == 2 ? 1e-4 : d == 3 ? 1e-3 : d == 4 ? 1e-2 : d == 5 ? 1e-1 : 1.0;
   const float mean = (dynamic_map_linspace(n + 1, k) + dynamic_map_linspace(n + 1, k + 1)) / 2.0f;
-  return static_cast<float>(kScales[d]) * mean;
+  const float value = static_cast<float>(scale) * mean;
+  return negative ? -value : value;
 }
 
 // The decision boundary between codes k and k + 1 (k < 255): the fp32 midpoint of their values.
