@@ -1,0 +1,82 @@
+"""How an optimizer stores Adam's two moments: the options, the per-param rule, and fp32 conversion.
+
+``exp_avg_dtype`` / ``exp_avg_sq_dtype`` are ``torch.float32`` (default), ``torch.bfloat16`` or
+``torch.uint8`` (8-bit blockwise: uint8 codes of bitsandbytes' dynamic map, signed for exp_avg and
+unsigned for exp_avg_sq, with one float32 absmax per 256 elements counted from the param's first
+element; see ``state_formats``). ``stochastic_rounding`` makes every rounding to bfloat16 stochastic.
+FusedAdam and DistributedFusedAdam share this module: the choice per param depends only on the param's
+global size, never on a shard's, so every world size stores the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from . import state_formats
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+# Params smaller than this keep fp32 moments when 8-bit is asked for (as bitsandbytes' min_8bit_size):
+# their absmax would cost more than the codes save, and they are the norms and biases 8-bit hurts most.
+MIN_8BIT_NUMEL = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentFormats:
+    """The moment options of one optimizer (validated on construction: a clear error, no fallback)."""
+
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dtype = getattr(self, name)
+            if dtype not in MOMENT_DTYPES:
+                raise ValueError(f"{name} must be one of torch.float32, torch.bfloat16, torch.uint8, got {dtype!r}")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is fp32 Adam state (no format work at all)."""
+        return self == MomentFormats()
+
+    def dtypes(self, global_numel: int) -> tuple[torch.dtype, torch.dtype]:
+        """(exp_avg dtype, exp_avg_sq dtype) of a param with ``global_numel`` elements."""
+
+        def one(dtype: torch.dtype) -> torch.dtype:
+            return torch.float32 if dtype == torch.uint8 and global_numel < MIN_8BIT_NUMEL else dtype
+
+        return one(self.exp_avg_dtype), one(self.exp_avg_sq_dtype)
+
+
+def num_blocks(numel: int) -> int:
+    """The number of absmax scales of an 8-bit moment of ``numel`` elements."""
+    return -(-numel // state_formats.QUANT_BLOCK)
+
+
+def zeros(numel: int, dtype: torch.dtype, device: torch.device, signed: bool) -> tuple[Tensor, Tensor | None]:
+    """A zero moment of ``numel`` elements in ``dtype``: (values or codes, absmax scales or None)."""
+    if dtype != torch.uint8:
+        return torch.zeros(numel, dtype=dtype, device=device), None
+    codes = torch.full((numel,), state_formats.zero_code(signed), dtype=torch.uint8, device=device)
+    return codes, torch.zeros(num_blocks(numel), dtype=torch.float32, device=device)
+
+
+def to_float32(state: Tensor, scales: Tensor | None, signed: bool) -> Tensor:
+    """The fp32 values of a stored moment (the kernel's reading of it, bit for bit)."""
+    if state.dtype == torch.uint8:
+        if scales is None:
+            raise ValueError("an 8-bit moment needs its absmax scales")
+        return state_formats.dequantize_blockwise(state, scales, signed)
+    return state.float()
+
+
+def from_float32(values: Tensor, dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor | None]:
+    """``values`` (fp32) stored in ``dtype`` as the kernel stores them (round to nearest): (state, scales)."""
+    if dtype == torch.uint8:
+        return state_formats.quantize_blockwise(values, signed)
+    return values.to(dtype), None
