@@ -80,3 +80,13 @@ def from_float32(values: Tensor, dtype: torch.dtype, signed: bool) -> tuple[Tens
     if dtype == torch.uint8:
         return state_formats.quantize_blockwise(values, signed)
     return values.to(dtype), None
+
+
+def draw_seed() -> int:
+    """A stochastic-rounding seed from torch's default CPU generator, so that ``torch.manual_seed`` makes
+    it reproducible and optimizers built after the same seeding (FusedAdam, DistributedFusedAdam on every
+    rank) round with the same bits. The optimizer keeps it in its state dict: a resume rounds as an
+    uninterrupted run would. A param's rounding key is (seed, step, param id, element index), where the
+    param id is the param's position in the optimizer's ``param_groups`` order (all groups, in order)
+    and the element index counts from the param's first element (a shard passes its offset)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
