@@ -90,3 +90,70 @@ def draw_seed() -> int:
     param id is the param's position in the optimizer's ``param_groups`` order (all groups, in order)
     and the element index counts from the param's first element (a shard passes its offset)."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------- per-param state in torch's layout
+# (additions for FusedAdam: state tensors shaped like their param, in its memory format)
+
+# The state keys of the absmax scales of an 8-bit moment, next to the moment's own key.
+ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # which map each moment's codes use
+
+
+def _memory_flat(t: Tensor) -> Tensor:
+    """A dense tensor's elements as a 1-D view in memory order (the order the kernel walks and counts
+    blocks in; the logical order for a contiguous tensor)."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return t.permute(order).reshape(-1)
+
+
+def layout_to_float32(state: Tensor, scales: Tensor | None, signed: bool) -> Tensor:
+    """``to_float32`` of a moment shaped like its param (any dense memory format): fp32 values with the
+    state's shape and strides, 8-bit blocks counted in memory order, as the kernel counts them."""
+    out = torch.empty_strided(state.shape, state.stride(), dtype=torch.float32, device=state.device)
+    _memory_flat(out).copy_(to_float32(_memory_flat(state), scales, signed))
+    return out
+
+
+def layout_from_float32(values: Tensor, like: Tensor, signed: bool) -> tuple[Tensor, Tensor | None]:
+    """``from_float32`` of fp32 ``values`` into a new moment with ``like``'s dtype, shape and strides."""
+    state, scales = from_float32(_memory_flat(_as_layout(values.float(), like)), like.dtype, signed)
+    out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+    _memory_flat(out).copy_(state)
+    return out, scales
+
+
+def _as_layout(values: Tensor, like: Tensor) -> Tensor:
+    """`values` (like's shape) with like's strides, so that its memory order is like's."""
+    if values.stride() == like.stride():
+        return values
+    return torch.empty_strided(like.shape, like.stride(), dtype=values.dtype, device=values.device).copy_(values)
+
+
+def float32_state_dict(state_dict: dict) -> dict:
+    """A FusedAdam state dict with low-precision moments as ``torch.optim.AdamW``'s fp32 one: every
+    bf16 or 8-bit moment dequantized to fp32 (its param's shape and memory format), the absmax entries
+    dropped; everything else shared with ``state_dict``. Load it into ``torch.optim.AdamW``, or into
+    any FusedAdam (which stores it in its own formats). The input is not changed."""
+    out = dict(state_dict)
+    out.pop("checksums", None)  # they describe the low-precision tensors
+    out["state"] = {}
+    for key, entry in state_dict["state"].items():
+        entry = dict(entry)
+        for name, absmax_key in ABSMAX_KEYS.items():
+            value, scales = entry.get(name), entry.pop(absmax_key, None)
+            if isinstance(value, Tensor) and value.dtype in (torch.bfloat16, torch.uint8):
+                entry[name] = _map_local(lambda v, s, n=name: layout_to_float32(v, s, SIGNED[n]), value, scales)
+        out["state"][key] = entry
+    return out
+
+
+def _map_local(fn, value: Tensor, scales: Tensor | None) -> Tensor:
+    """fn(value, scales) on a DTensor's local shards, wrapped back like `value` (plain tensors as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return fn(value, scales.to_local() if isinstance(scales, DTensor) else scales)
+    local_scales = scales.to_local() if isinstance(scales, DTensor) else scales
+    return DTensor.from_local(fn(value.to_local(), local_scales), value.device_mesh, value.placements,
+                              shape=value.shape, stride=value.stride(), run_check=False)
