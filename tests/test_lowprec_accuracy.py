@@ -6,7 +6,9 @@ is given the same params and gradients at every step (re-synced: only its state 
 bitsandbytes' optimizer tests do) and its update is compared with fp32 Adam's: cosine similarity and
 the normalised MSE ||u - u_fp32||^2 / ||u_fp32||^2, per step. The numbers are printed (run with ``-s``)
 and only checked against loose bounds; the negative control, fp32 Adam with beta1 = 0.8 instead of
-0.9, must fall outside them, so the bounds would catch a moment that is read or stored wrong.
+0.9, must fall outside them, so the bounds would catch a moment that is read or stored wrong. ``slow``
+(long_version): 300 steps, and torchao's AdamW8bit (the same format) through the same re-synced steps,
+which gives the same statistics.
 
 (c) Unbiasedness. bf16 params at 1.0 without master weights, updates of 1e-4 per step, far below half
 an ulp (2^-9 below 1.0): rounding to nearest never moves them; stochastic rounding moves them by the
@@ -117,7 +119,7 @@ def test_update_direction_stays_with_fp32_adam():
 
 
 @pytest.mark.slow
-def test_update_direction_stays_with_fp32_adam_300_steps():
+def test_update_direction_stays_with_fp32_adam_300_steps(long_version):
     check_directions(300)
 
 
@@ -141,7 +143,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_never_moves(rounding):
 
 
 @pytest.mark.slow
-def test_8bit_directions_are_torchaos():
+def test_8bit_directions_are_torchaos(long_version):
     """torchao's AdamW8bit (the same format: dynamic maps, 256-element blocks, fp32 under 4,096
     elements) given the same re-synced steps: the same statistics, the embedding's included."""
     optim = pytest.importorskip("torchao.optim")
