@@ -225,9 +225,14 @@ class MomentState:
             value, local_p = saved.get(name), dtensor.local(p)
             like = state_like(local_p, dtype)
             if _same_bits_layout(p, value, like):
-                codes = like.copy_(dtensor.local(value))
-                scales = dtensor.local(saved[absmax_key]).to(p.device, torch.float32).clone() if dtype == torch.uint8 \
-                    else None
+                codes = like.copy_(dtensor.local(dtensor.placed_like(p, value, name)))  # a whole one: this rank's part
+                scales = None
+                if dtype == torch.uint8:
+                    scales = dtensor.local(saved[absmax_key]).to(p.device, torch.float32).reshape(-1)
+                    if isinstance(p, DTensor) and not isinstance(value, DTensor):  # this rank's blocks of all
+                        first = element_offset(p) // QUANT_BLOCK
+                        scales = scales[first : first + mf.num_blocks(local_p.numel())]
+                    scales = scales.clone()
             else:
                 codes, scales = mf.layout_from_float32(dtensor.local(entry[name]), like, signed)
             entry[name] = dtensor.like_param(p, lambda _t, c=codes: c)
@@ -248,11 +253,14 @@ def _absmax_like(p: Tensor, local_scales: Tensor) -> Tensor:
 
 def _same_bits_layout(p: Tensor, value: Any, like: Tensor) -> bool:
     """Whether a saved moment can be copied bit for bit: `like`'s dtype, its param's layout (8-bit blocks
-    follow memory order), and for a DTensor param, the param's mesh and placements."""
+    follow memory order), and for a DTensor param, the param's mesh and placements, or a whole (plain)
+    tensor, of which this rank takes its shard's elements and blocks."""
     if not isinstance(value, Tensor) or value.dtype != like.dtype:
         return False
-    if isinstance(p, DTensor) != isinstance(value, DTensor):
+    if isinstance(value, DTensor) and not isinstance(p, DTensor):
         return False
+    if isinstance(p, DTensor) and not isinstance(value, DTensor):  # a whole one: sliced as the shard (check_param)
+        return value.is_contiguous() and like.is_contiguous()
     if isinstance(p, DTensor) and (value.device_mesh, tuple(value.placements)) != (p.device_mesh, tuple(p.placements)):
         return False
     return dtensor.local(value).stride() == like.stride() or like.dtype != torch.uint8
