@@ -324,3 +324,27 @@ def test_a_refused_load_changes_nothing():
     for s, t in zip(opt.state.values(), before.values()):
         assert states_equal(s, t)
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in groups]
+
+
+def test_dcp_round_trip_through_get_and_set_optimizer_state_dict(tmp_path):
+    """torch.distributed.checkpoint (one process) saves and loads the codes, scales, bf16 moments and the
+    rounding seed as they are: the loaded optimizer holds the same bits and goes on with the same steps."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    kwargs = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=BF16, stochastic_rounding=True)
+    m = model(BF16)
+    opt = FusedAdam(m.parameters(), **kwargs)
+    train(m, opt, range(2))
+    dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
+    m2 = copy.deepcopy(m)
+    opt2 = FusedAdam(m2.parameters(), **kwargs)  # another seed (drawn anew)
+    target = {"optim": get_optimizer_state_dict(m2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(m2, opt2, target["optim"])
+    assert opt2.param_groups[0]["rounding_seed"] == opt.param_groups[0]["rounding_seed"]
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert states_equal(opt.state[p], opt2.state[q])
+    train(m, opt, range(2, 4))
+    train(m2, opt2, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
