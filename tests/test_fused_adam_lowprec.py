@@ -348,3 +348,21 @@ def test_dcp_round_trip_through_get_and_set_optimizer_state_dict(tmp_path):
     train(m, opt, range(2, 4))
     train(m2, opt2, range(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+
+
+def test_compiled_step_is_the_eager_step():
+    """torch.compile (fullgraph) traces the step with its codes, scales and rounding keys: the same bits."""
+    runs = []
+    for compiled in (False, True):
+        m = model(BF16)
+        torch.manual_seed(3)
+        opt = FusedAdam(m.parameters(), exp_avg_dtype=U8, exp_avg_sq_dtype=BF16, stochastic_rounding=True)
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=True) if compiled else opt.step
+        for i in range(3):
+            opt.zero_grad()
+            backward(m, i)
+            step()
+        runs.append((m, opt))
+    (m1, o1), (m2, o2) = runs
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q) and states_equal(o1.state[p], o2.state[q])
