@@ -280,9 +280,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in keys}
         report = {"master": sizes["param"], "moments": sum(sizes[k] for k in keys if k != "param"),
                   "staging": self._host.staging_bytes() if self._host is not None else 0}
-        total = sum(report.values())
-        return {**report, "device": 0 if self.offload_optimizer else total,
-                "host": total if self.offload_optimizer else 0, "total": total}
+        total, off = sum(report.values()), self.offload_optimizer
+        return {**report, "device": 0 if off else total, "host": total if off else 0, "total": total}
 
     def _check_groups(self) -> None:
         for index, group in enumerate(self.param_groups):
@@ -470,6 +469,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         for key in _TRANSIENT:
             self.__dict__.setdefault(key, None)
         self.__dict__.setdefault("_plan_epoch", 0)
+        self.__dict__.setdefault("_moments", MomentState(MomentFormats()))  # pickled before the formats existed
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
