@@ -5,6 +5,8 @@
   blocks and rounding keys count from each param's first element, so the sharding changes no bit;
 - state dicts: the sharded optimizer's own loads back bit for bit, and the unsharded optimizer's
   (whole tensors) loads into the sharded one, each rank taking its elements and its absmax blocks;
+- DCP (get/set_optimizer_state_dict, dcp.save/load) reshards 8-bit state saved on 2 ranks onto 4 and 1
+  bit for bit (the absmax is a Shard(0) DTensor of the param's blocks);
 - layouts that cannot hold whole blocks, or whose shards are not one range of the param, are refused
   at construction on every rank, naming the param: a dim-0 shard not starting at a multiple of 256
   elements (8-bit), a Shard(1) param (8-bit or stochastic rounding); bf16 moments take any layout.
@@ -136,3 +138,44 @@ def test_layouts_without_whole_blocks_are_refused_on_every_rank():
         assert "[25, 25] rows of 100" in message, message
     for message in (strided, strided_sr):
         assert "sharded along dim 0" in message and "Shard(dim=1)" in message, message
+
+
+def dcp_save(rank: int, world_size: int, path: str) -> dict:
+    """Trains 3 steps on `world_size` ranks, saves through DCP; returns the full state (gathered)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = sharded(F32, world_size)
+    torch.manual_seed(5)
+    opt = FusedAdam(model.parameters(), lr=1e-2, **CASES["8-bit moments"][0])
+    for step in range(3):
+        backward(model, step)
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    return {name: {k: full(v) for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
+
+
+def dcp_load(rank: int, world_size: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = sharded(F32, world_size)
+    opt = FusedAdam(model.parameters(), lr=1e-2, **CASES["8-bit moments"][0])
+    target = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(target, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, target["optim"])
+    return {name: {k: full(v) for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
+
+
+def test_dcp_reshards_8bit_state_bit_for_bit(tmp_path):
+    """Saved on 2 ranks, loaded on 4 (and 1): the codes and absmax of every block, as saved."""
+    saved = run_ranks(dcp_save, world_size=2, args=(str(tmp_path),))[0]
+    for world_size in (4, 1):
+        loaded = run_ranks(dcp_load, world_size=world_size, args=(str(tmp_path),))[0]
+        assert loaded.keys() == saved.keys()
+        for name in saved:
+            assert saved[name].keys() == loaded[name].keys(), name
+            for k in saved[name]:
+                assert torch.equal(saved[name][k], loaded[name][k]), (world_size, name, k)
+        assert "exp_avg_absmax" in loaded["0.weight"]
