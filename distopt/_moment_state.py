@@ -121,15 +121,16 @@ class MomentState:
                              "exp_avg_sq_dtype=torch.bfloat16 for it, or shard so that rows x shard rows is a "
                              f"multiple of {QUANT_BLOCK}")
 
-    def check_params(self, groups: list[dict[str, Any]], *, master_weights: bool) -> None:
-        """Checks every param, and that stochastic rounding has something to round."""
+    def check_params(self, groups: list[dict[str, Any]], *, master_weights: bool | None) -> None:
+        """Checks every param, and (unless `master_weights` is None: a step's params, not all of them)
+        that stochastic rounding has something to round."""
         if self.plain:
             return
         for g, group in enumerate(groups):
             names = group.get("param_names")
             for i, p in enumerate(group["params"]):
                 self.check_param(p, f"param {names[i]!r}" if names else f"param_groups[{g}]['params'][{i}]")
-        if self.formats.stochastic_rounding:
+        if self.formats.stochastic_rounding and master_weights is not None:
             bf16_moments = torch.bfloat16 in (self.formats.exp_avg_dtype, self.formats.exp_avg_sq_dtype)
             bf16_params = not master_weights and any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])
             if not (bf16_moments or bf16_params):

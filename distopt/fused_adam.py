@@ -348,7 +348,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             # Also params put into param_groups after construction (accelerate's FSDP2 preparation swaps the
             # DTensors in), which add_param_group never saw.
             dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
-            self._moments.check_params([dict(params=params)], master_weights=self.master_weights)
+            self._moments.check_params([dict(params=params)], master_weights=None)  # (a step's params only)
             work.append((group, params, [self._check_grad(p) for p in params]))
             dtensor.check_states(params, self.state)
         return work

@@ -62,7 +62,10 @@ def test_invalid_options_are_clear_errors():
         FusedAdam(params, exp_avg_dtype=BF16, offload_optimizer=True)
     with pytest.raises(TypeError, match="complex"):
         FusedAdam([torch.zeros(8, dtype=torch.complex64, requires_grad=True)], exp_avg_sq_dtype=BF16)
-    FusedAdam(model(BF16).parameters(), stochastic_rounding=True)  # bf16 params without masters: fine
+    bf16, fp32 = nn.Parameter(torch.ones(8, dtype=BF16)), nn.Parameter(torch.ones(8))
+    opt = FusedAdam([bf16, fp32], stochastic_rounding=True)  # bf16 params without masters: fine
+    fp32.grad = torch.ones(8)
+    opt.step()  # also a step in which only the fp32 param has a gradient
 
 
 def test_state_dtypes_layout_and_bytes():
