@@ -42,17 +42,22 @@ def _name(p: Tensor, where: str) -> str:
     return f"{where} (shape {tuple(p.shape)})"
 
 
-def _dim0_shards(p: DTensor, where: str) -> tuple[int, int, list[int]] | None:
+def _dim0_shards(p: DTensor, where: str | None) -> tuple[int, int, list[int]] | None:
     """(mesh dim, elements per dim-0 row, every rank's dim-0 row count) of a DTensor param sharded only
-    along dim 0 over one mesh dimension; None for a replicated one; raises for any other layout."""
+    along dim 0 over one mesh dimension; None for a replicated one; for any other layout, raises (None
+    if `where` is None)."""
     sharded = [(d, pl) for d, pl in enumerate(p.placements) if dtensor.is_sharded(pl)]
     if not sharded:
         return None
     if len(sharded) > 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
+        if where is None:
+            return None
         raise ValueError(f"FusedAdam: 8-bit moments and stochastic rounding count from a param's first element, "
                          f"so a DTensor param must be sharded along dim 0 over one mesh dimension; {_name(p, where)} "
                          f"has placements {tuple(p.placements)}")
     if not p._local_tensor.is_contiguous():
+        if where is None:
+            return None
         raise ValueError(f"FusedAdam: the local shard of {_name(p, where)} must be contiguous for 8-bit moments or "
                          "stochastic rounding (blocks and rounding keys follow the param's element order)")
     mesh_dim = sharded[0][0]
@@ -64,10 +69,11 @@ def _dim0_shards(p: DTensor, where: str) -> tuple[int, int, list[int]] | None:
 
 def element_offset(p: Tensor) -> int:
     """The element index, within the whole param, of the first element this rank holds of `p`: 0 for a
-    plain or replicated param; for a dim-0 shard, the rows before it (``check_param`` has passed)."""
+    plain or replicated param; for a dim-0 shard, the rows before it; 0 for other layouts, which only
+    formats that ignore it take (``check_param``)."""
     if not isinstance(p, DTensor):
         return 0
-    layout = _dim0_shards(p, "a param")
+    layout = _dim0_shards(p, None)
     if layout is None:
         return 0
     mesh_dim, row, counts = layout
