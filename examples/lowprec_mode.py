@@ -5,7 +5,7 @@
 The two runs then differ by far more than last-bit rounding, so the params-distance verdict does not
 apply. The verdict compares the final validation losses instead: the run passes if distopt's is at
 most ``--loss-tolerance`` above DDP + AdamW's. The default, 0.05 nats, is about 14 times the spread
-over seeds 0-2 of this job's final validation loss (0.0036) and 50 times the largest gap measured
+over seeds 0-2 of this job's final validation loss (0.0036) and 100 times the largest gap measured
 between a moment format and fp32 state (benchmarks/results/lowprec-cpu-2026-11-26/, one process, 120
 steps); bf16 weights without fp32 masters and rounded to nearest, a real loss of precision, cost 0.004.
 """
