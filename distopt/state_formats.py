@@ -113,6 +113,11 @@ def dequantize_blockwise(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
 def bf16_stochastic(x: Tensor, random: Tensor) -> Tensor:
     """x (fp32) rounded to bfloat16 with the low 16 bits of ``random`` (int64 words): up in magnitude with
     probability (dropped bits) / 2^16. Infinities stay, NaN becomes 0x7FC0."""
+    if random.shape != x.shape:  # one word per element in memory order (the kernels' element index)
+        shaped = torch.empty_strided(x.shape, x.stride(), dtype=random.dtype, device=random.device)
+        order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+        shaped.permute(order).view(-1).copy_(random.reshape(-1))
+        random = shaped
     bits = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     rounded = (bits + (random & 0xFFFF)) >> 16
     rounded = torch.where((bits & 0x7F800000) == 0x7F800000, bits >> 16, rounded)  # inf (NaN below)
