@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..moment_formats import zeros
 from ..offload import HostTransfers, Landing
 from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm, Handle
@@ -42,7 +43,9 @@ def flat_like(grad: Tensor, param: Tensor) -> Tensor:
 
 @dataclass
 class ShardState:
-    """This rank's shard of a bucket's optimizer state (flat, ``shard_numel`` elements each)."""
+    """This rank's shard of a bucket's optimizer state (flat, ``shard_numel`` elements each). The moments
+    are fp32, or in the bucket's low-precision format (distributed/moments.py): bf16, or 8-bit codes
+    with one fp32 absmax per 256 shard elements in ``exp_avg_scales``/``exp_avg_sq_scales``."""
 
     exp_avg: Tensor
     exp_avg_sq: Tensor
@@ -50,16 +53,25 @@ class ShardState:
     master: Tensor | None  # fp32 master params (store_params)
     remainders: Tensor | None  # int16 low halves of the masters (store_param_remainders)
     grad_valid: bool = False  # False: `grad` holds stale data, the next reduction overwrites it
+    exp_avg_scales: Tensor | None = None  # 8-bit exp_avg: absmax per block of 256 shard elements
+    exp_avg_sq_scales: Tensor | None = None
 
     @classmethod
     def zeros(cls, numel: int, device: torch.device, master: bool, remainders: bool,
-              host: HostTransfers | None = None) -> ShardState:
-        """Zeroed state on `device`, or in `host` memory (offload)."""
+              host: HostTransfers | None = None,
+              moments: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)) -> ShardState:
+        """Zeroed state on `device`, or in `host` memory (offload: fp32 moments only)."""
         def z(dtype: torch.dtype) -> Tensor:
             return host.zeros(numel, dtype) if host is not None else torch.zeros(numel, dtype=dtype, device=device)
 
-        return cls(exp_avg=z(torch.float32), exp_avg_sq=z(torch.float32), grad=z(torch.float32),
-                   master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None)
+        if host is not None:  # offload keeps fp32 moments (low-precision ones are refused at construction)
+            (m, m_scales), (v, v_scales) = (z(torch.float32), None), (z(torch.float32), None)
+        else:
+            (m, m_scales), (v, v_scales) = (zeros(numel, dtype, device, signed)
+                                            for dtype, signed in zip(moments, (True, False)))
+        return cls(exp_avg=m, exp_avg_sq=v, grad=z(torch.float32),
+                   master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None,
+                   exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales)
 
 
 class BucketRuntime:

@@ -79,6 +79,7 @@ from .checkpoint_extra import (
 )
 from .comm import Comm
 from .dcp_sharded import ShardedParamState, sharded_state_dicts  # noqa: F401 (re-exported: the public name)
+from .moments import check_checkpointable
 from .state_view import fragment_master
 from .tensor_parallel import check_saved_layout, checkpoint_group, chunk_name, layout_text, local_value, param_state
 
@@ -134,6 +135,7 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
     params as masters), so that it can serve as the template torch.distributed.checkpoint loads into.
     `sharded` (default: whether `opt` is inside ``sharded_state_dicts``): this rank's shard instead,
     gathering nothing (dcp_sharded.py)."""
+    check_checkpointable(opt)
     if sharded is None:
         sharded = dcp_sharded.active(opt)
     if sharded:
@@ -189,6 +191,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Loads the per-param form, or a torch.optim.AdamW/Adam or FusedAdam state dict. State keys name
     params as the saved param_groups list them, by position (torch.optim) or by name (the FQNs of
     torch.distributed.checkpoint's ``get_state_dict``), matched in order with this optimizer's."""
+    check_checkpointable(opt)
     fmt = sd.get("format") if isinstance(sd, dict) else None
     if not isinstance(sd, dict) or fmt not in (FORMAT, None) or not isinstance(sd.get("state"), dict) \
             or "param_groups" not in sd:
@@ -307,6 +310,7 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint for torch.distributed.checkpoint: each owned range of each
     param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under ``checksum.<param>...``
     (<param>: tensor_parallel.chunk_name), plus what every rank shares (``meta``)."""
+    check_checkpointable(opt)
     buckets = opt.shard_buckets()
     index, params, tensors = opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()
     names = [chunk_name(g, p) for g, p in zip(index, params)]
@@ -358,6 +362,7 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
     on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
     the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
+    check_checkpointable(opt)
     group = checkpoint_group(opt)
     checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra

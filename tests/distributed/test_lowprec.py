@@ -1,0 +1,225 @@
+"""DistributedFusedAdam's low-precision moments are sharding-invariant: bit for bit FusedAdam's.
+
+When every rank computes the same gradient (averaging over 1, 2 or 4 ranks is then exact), the
+sharded update must store the same bits as FusedAdam on whole params: params, bf16 moments, 8-bit
+codes and absmax scales, for every format combination, with and without stochastic rounding, for
+params straddling 256-element blocks, buckets and shards, at several bucket sizes. A skipped
+(inf/nan) step changes no byte. The negative control plans the layout without the 256-element
+alignment of 8-bit buckets: blocks then straddle shards and the bits must differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distopt import DistributedFusedAdam, FusedAdam
+from distopt.distributed import moments as moments_module
+from distopt.moment_formats import ABSMAX_KEYS
+
+from harness import run_ranks
+
+F32, BF16, U8 = torch.float32, torch.bfloat16, torch.uint8
+# Odd sizes straddling blocks and buckets; 300 and 1000 stay fp32 (under 4,096 elements globally).
+SHAPES = [(5003,), (300,), (67, 71), (1000,), (4099,)]
+FORMATS = [(m, v, sr) for m, v in itertools.product((F32, BF16, U8), repeat=2) if (m, v) != (F32, F32)
+           for sr in (False, True) if not sr or BF16 in (m, v)]
+BUCKET_MB = (0.01, 0.03, 100.0)  # splits params over buckets; several params per bucket; one bucket
+STEPS = 3
+
+
+def make_params(dtype: torch.dtype = F32) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+
+
+def grads(step: int, params: list[torch.Tensor], inf_at: int | None) -> list[torch.Tensor]:
+    """The same grads on every rank; with `inf_at` == step one of them holds an inf."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = [(torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-3, 2, (), generator=g)).to(p.dtype)
+           for p in params]
+    if inf_at == step:
+        out[2][3, 5] = float("inf")
+    return out
+
+
+def backward(params, grads) -> None:
+    """A backward pass whose grads are exactly `grads` (DistributedFusedAdam takes them from its hooks)."""
+    sum((p * g).sum() for p, g in zip(params, grads)).backward()
+
+
+def options(formats, param_dtype: torch.dtype) -> dict:
+    m, v, sr = formats
+    extra = {"store_params": False} if param_dtype == BF16 else {}
+    return dict(lr=1e-2, weight_decay=0.1, exp_avg_dtype=m, exp_avg_sq_dtype=v, stochastic_rounding=sr, **extra)
+
+
+def fused_adam(formats, param_dtype: torch.dtype, inf_at: int | None = None) -> dict:
+    """FusedAdam's params and state after the steps (the reference)."""
+    params = make_params(param_dtype)
+    opt_kwargs = options(formats, param_dtype)
+    opt_kwargs.pop("store_params", None)
+    torch.manual_seed(1)  # the rounding seed is drawn here, as on every rank below
+    opt = FusedAdam(params, **opt_kwargs)
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(params, grads(step, params, inf_at))
+        if inf_at is not None:
+            opt.unscale_grads(inv_scale=1.0)  # the inf/nan check runs
+        opt.step()
+    return {"params": [p.detach().clone() for p in params],
+            "state": [{k: v.clone() for k, v in opt.state[p].items() if k != "step"} for p in params]}
+
+
+def dfa_rank(rank: int, world_size: int, formats, param_dtype: torch.dtype, bucket_mb: float,
+             inf_at: int | None, misalign: bool) -> dict:
+    params = make_params(param_dtype)
+    if misalign:  # the negative control: 8-bit buckets laid out with the fp32 alignment
+        moments_module.ShardMoments.aligns = lambda self, keys: {}
+    torch.manual_seed(1)
+    opt = DistributedFusedAdam(params, bucket_cap_mb=bucket_mb, **options(formats, param_dtype))
+    before = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(params, grads(step, params, inf_at))
+        if inf_at is not None:
+            opt.unscale_grads(inv_scale=1.0)
+            if step == inf_at:
+                before = snapshot(opt, params)
+        opt.step()
+        if step == inf_at:
+            assert snapshot(opt, params) == before, "a skipped step changed a byte"
+    # This rank's fragments of each state tensor, as raw bytes, with where they belong in the param.
+    pieces = []
+    for b in opt.shard_buckets():
+        s = b.state
+        for f in b.fragments:
+            part = {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "param": s.master}
+            entry = {k: t[f.shard_offset : f.shard_offset + f.numel].clone() for k, t in part.items() if t is not None}
+            for name, scales in (("exp_avg", s.exp_avg_scales), ("exp_avg_sq", s.exp_avg_sq_scales)):
+                if scales is not None:
+                    first = f.shard_offset // 256
+                    entry[ABSMAX_KEYS[name]] = scales[first : first + -(-f.numel // 256)].clone()
+            pieces.append((f.param, f.param_offset, entry))
+    return {"params": [p.detach().clone() for p in params], "pieces": pieces}
+
+
+def snapshot(opt: DistributedFusedAdam, params) -> list[bytes]:
+    """Every byte of this rank's state and the params."""
+    out = [p.detach().view(-1).view(torch.uint8).numpy().tobytes() for p in params]
+    for b in opt.shard_buckets():
+        s = b.state
+        for t in (s.exp_avg, s.exp_avg_sq, s.exp_avg_scales, s.exp_avg_sq_scales, s.master):
+            if t is not None:
+                out.append(t.view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def assemble(results: list[dict], reference: dict) -> list[dict]:
+    """Each param's state put together from every rank's fragments (shaped as the reference's, flat)."""
+    whole = [{k: torch.full((v.numel(),), float("nan")).to(v.dtype) for k, v in st.items()}
+             for st in reference["state"]]
+    for r in results:
+        for param, offset, entry in r["pieces"]:
+            for k, t in entry.items():
+                if k == "param":
+                    continue
+                if k in ABSMAX_KEYS.values():
+                    whole[param][k][offset // 256 : offset // 256 + t.numel()] = t
+                else:
+                    whole[param][k][offset : offset + t.numel()] = t
+    return whole
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def check_identical(formats, param_dtype=F32, bucket_mb=0.01, world_sizes=(1, 2, 4), inf_at=None,
+                    misalign=False) -> None:
+    reference = fused_adam(formats, param_dtype, inf_at)
+    for world_size in world_sizes:
+        results = run_ranks(dfa_rank, world_size, (formats, param_dtype, bucket_mb, inf_at, misalign))
+        for r in results:
+            for i, (p, q) in enumerate(zip(r["params"], reference["params"])):
+                assert same_bits(p, q), f"world size {world_size}: param {i} differs from FusedAdam's"
+        for i, (got, want) in enumerate(zip(assemble(results, reference), reference["state"])):
+            for k, v in want.items():
+                assert same_bits(got[k], v.reshape(-1)), f"world size {world_size}: {k} of param {i} differs"
+
+
+@pytest.mark.parametrize("formats", FORMATS, ids=lambda f: f"{f[0]}-{f[1]}-sr{int(f[2])}".replace("torch.", ""))
+def test_bit_identical_to_fused_adam_at_every_world_size(formats):
+    bucket_mb = BUCKET_MB[FORMATS.index(formats) % len(BUCKET_MB)]  # each bucket size over the formats
+    check_identical(formats, bucket_mb=bucket_mb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket_mb", BUCKET_MB)
+@pytest.mark.parametrize("formats", FORMATS, ids=lambda f: f"{f[0]}-{f[1]}-sr{int(f[2])}".replace("torch.", ""))
+def test_bit_identical_every_format_and_bucket_size(formats, bucket_mb):
+    check_identical(formats, bucket_mb=bucket_mb)
+
+
+def test_bf16_params_round_stochastically_as_fused_adam():
+    """bf16 params without masters (store_params=False) and bf16 moments, rounded stochastically."""
+    check_identical((U8, BF16, True), param_dtype=BF16, bucket_mb=0.01)
+
+
+def test_a_skipped_step_changes_no_byte():
+    check_identical((U8, BF16, True), bucket_mb=0.01, world_sizes=(1, 2), inf_at=1)
+
+
+def test_negative_control_blocks_straddling_shards_break_identity():
+    with pytest.raises(AssertionError, match="differs"):
+        check_identical((U8, U8, False), bucket_mb=0.01, world_sizes=(2,), misalign=True)
+
+
+def construction_errors(rank: int, world_size: int) -> None:
+    params = make_params()
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        DistributedFusedAdam(params, exp_avg_dtype=U8, offload_optimizer=True)
+    with pytest.raises(ValueError, match="exp_avg_dtype must be one of"):
+        DistributedFusedAdam(params, exp_avg_dtype=torch.float16)
+    with pytest.raises(ValueError, match="would change nothing"):
+        DistributedFusedAdam(params, exp_avg_dtype=U8, stochastic_rounding=True)
+
+
+def test_unsupported_combinations_are_clear_errors():
+    run_ranks(construction_errors, 1)
+
+
+def checkpoints_refused(rank: int, world_size: int) -> None:
+    params = make_params()
+    opt = DistributedFusedAdam(params, exp_avg_dtype=U8, bucket_cap_mb=0.01)
+    opt.zero_grad()
+    backward(params, grads(0, params, None))
+    opt.step()
+    before = snapshot(opt, params)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        opt.state_dict()
+    fp32 = torch.optim.AdamW(make_params())
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        opt.load_state_dict(fp32.state_dict())
+    assert snapshot(opt, params) == before  # the refused load changed nothing
+
+
+def test_checkpoints_of_low_precision_moments_are_refused_clearly():
+    run_ranks(checkpoints_refused, 2)
+
+
+def memory(rank: int, world_size: int, formats) -> dict:
+    param = torch.nn.Parameter(torch.randn(64 * 256 * world_size))  # whole blocks on every rank: no padding
+    opt = DistributedFusedAdam([param], exp_avg_dtype=formats[0], exp_avg_sq_dtype=formats[1])
+    opt.init_params()
+    return opt.memory_report()
+
+
+@pytest.mark.parametrize("formats, bytes_per_param", [((U8, U8), 2 + 2 * 4 / 256), ((BF16, BF16), 4.0),
+                                                      ((F32, F32), 8.0), ((U8, BF16), 3 + 4 / 256)])
+def test_memory_report_matches_the_formula(formats, bytes_per_param):
+    for world_size in (1, 2):
+        for report in run_ranks(memory, world_size, (formats,)):
+            assert report["moments"] == bytes_per_param * 64 * 256  # this rank's shard: 64 blocks
