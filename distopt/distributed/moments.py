@@ -136,12 +136,3 @@ class ShardMoments:
                        param_offsets=[f.param_offset for _, f in where])
         return out
 
-
-def check_checkpointable(opt: Any) -> None:
-    """Refuses (every rank alike, before any collective) checkpoints of low-precision moments, which
-    DistributedFusedAdam's state-dict forms and sharded checkpoints do not hold yet: never an fp32
-    state silently cast into codes."""
-    if (opt.exp_avg_dtype, opt.exp_avg_sq_dtype) != (torch.float32, torch.float32):
-        raise NotImplementedError("DistributedFusedAdam: state_dict(), load_state_dict() and sharded checkpoints "
-                                  "of low-precision moments (exp_avg_dtype/exp_avg_sq_dtype other than "
-                                  "torch.float32) are not implemented yet")
