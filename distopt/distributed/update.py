@@ -32,11 +32,12 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
 
 
 def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    ids = None if opt._moments.plain else opt.checkpoint_indices()  # stochastic rounding's param ids
     for (group_index, _), lists in kernel_lists(buckets, opt._tensors, opt._group_of,
                                                 opt.contiguous_param_buffer).items():
         group = opt.param_groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
-        hyper.update(opt._moments.call_kwargs(lists.pop(WHERE), opt.checkpoint_indices(), group))
+        hyper.update(opt._moments.call_kwargs(lists.pop(WHERE), ids, group))
         if opt.capturable:  # the kernel reads lr and the step from the GPU
             ops.adam_step_(**lists, lr=graph_safe_lr(opt, group_index), step=opt._step_tensor, found_inf=found_inf,
                            **hyper)

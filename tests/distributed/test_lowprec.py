@@ -76,12 +76,12 @@ def fused_adam(formats, param_dtype: torch.dtype, inf_at: int | None = None) -> 
 
 
 def dfa_rank(rank: int, world_size: int, formats, param_dtype: torch.dtype, bucket_mb: float,
-             inf_at: int | None, misalign: bool) -> dict:
+             inf_at: int | None, misalign: bool, extra: dict) -> dict:
     params = make_params(param_dtype)
     if misalign:  # the negative control: 8-bit buckets laid out with the fp32 alignment
         moments_module.ShardMoments.aligns = lambda self, keys: {}
     torch.manual_seed(1)
-    opt = DistributedFusedAdam(params, bucket_cap_mb=bucket_mb, **options(formats, param_dtype))
+    opt = DistributedFusedAdam(params, bucket_cap_mb=bucket_mb, **options(formats, param_dtype), **extra)
     before = None
     for step in range(STEPS):
         opt.zero_grad()
@@ -140,10 +140,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_identical(formats, param_dtype=F32, bucket_mb=0.01, world_sizes=(1, 2, 4), inf_at=None,
-                    misalign=False) -> None:
+                    misalign=False, extra=None) -> None:
     reference = fused_adam(formats, param_dtype, inf_at)
     for world_size in world_sizes:
-        results = run_ranks(dfa_rank, world_size, (formats, param_dtype, bucket_mb, inf_at, misalign))
+        results = run_ranks(dfa_rank, world_size, (formats, param_dtype, bucket_mb, inf_at, misalign, extra or {}))
         for r in results:
             for i, (p, q) in enumerate(zip(r["params"], reference["params"])):
                 assert same_bits(p, q), f"world size {world_size}: param {i} differs from FusedAdam's"
@@ -168,6 +168,12 @@ def test_bit_identical_every_format_and_bucket_size(formats, bucket_mb):
 def test_bf16_params_round_stochastically_as_fused_adam():
     """bf16 params without masters (store_params=False) and bf16 moments, rounded stochastically."""
     check_identical((U8, BF16, True), param_dtype=BF16, bucket_mb=0.01)
+
+
+@pytest.mark.parametrize("extra", [dict(contiguous_grad_buffer=True, contiguous_param_buffer=True),
+                                   dict(store_params=True)], ids=["contiguous", "masters"])
+def test_bit_identical_with_buffer_options(extra):
+    check_identical((U8, BF16, True), bucket_mb=0.01, world_sizes=(1, 2), extra=extra)
 
 
 def test_a_skipped_step_changes_no_byte():
