@@ -15,6 +15,11 @@ low-precision moments or stochastic rounding nothing here changes the fp32 layou
 The rounding seed is ``group["rounding_seed"]`` (as FusedAdam's, drawn by ``moment_formats.draw_seed``
 at construction and saved in state dicts); when the layout is built every rank takes rank 0's.
 
+``state_dict()``/``load_state_dict()`` hold the moments in their formats (moment_checkpoint.py); the
+sharded forms (``state_dict(sharded=True)``, ``checkpoint.save``/``load``) refuse them for now.
+``opt.state`` shows the stored moments (bf16 values, or 8-bit codes: their absmax scales are in the
+state dict).
+
 Not supported, a ValueError at construction: ``offload_optimizer`` (its host update keeps fp32
 moments) and DTensor params (their local tensors' blocks and element indices would count from the
 local tensor, not the param). BMUF does not take DistributedFusedAdam as its local optimizer.
