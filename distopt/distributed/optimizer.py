@@ -286,10 +286,10 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _build_layout(self) -> None:
         segments = self._packing.segments(self._grads.arrival)
+        self._moments.agree_seeds(self.param_groups, self.comm, self.device)  # before agreement compares them
         agreement.check(self)
         # Every rank must pack identically: take rank 0's plan (backward order may differ by rank).
         segments = Packing.agreed(segments, self.comm, self.device)
-        self._moments.agree_seeds(self.param_groups, self.comm, self.device)
         keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype, *self._moments.group_key(p)) for p in self._params]
         aligns = self._moments.aligns(keys)  # 8-bit blocks never straddle shards (moments.py)
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)

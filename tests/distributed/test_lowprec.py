@@ -185,6 +185,19 @@ def test_negative_control_blocks_straddling_shards_break_identity():
         check_identical((U8, U8, False), bucket_mb=0.01, world_sizes=(2,), misalign=True)
 
 
+def seeds(rank: int, world_size: int) -> int:
+    params = make_params()
+    torch.manual_seed(rank)  # ranks seeded differently: each draws its own rounding seed
+    opt = DistributedFusedAdam(params, exp_avg_dtype=BF16, stochastic_rounding=True)
+    opt.init_params()
+    return opt.param_groups[0]["rounding_seed"]
+
+
+def test_every_rank_rounds_with_rank_0s_seed():
+    torch.manual_seed(0)
+    assert run_ranks(seeds, 2) == [torch.randint(0, 2**62, ()).item()] * 2
+
+
 def construction_errors(rank: int, world_size: int) -> None:
     params = make_params()
     with pytest.raises(ValueError, match="offload_optimizer"):
