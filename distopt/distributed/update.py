@@ -34,7 +34,7 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
 def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
     ids = None if opt._moments.plain else opt.checkpoint_indices()  # stochastic rounding's param ids
     for (group_index, _), lists in kernel_lists(buckets, opt._tensors, opt._group_of,
-                                                opt.contiguous_param_buffer).items():
+                                                opt.contiguous_param_buffer, ids is not None).items():
         group = opt.param_groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
         hyper.update(opt._moments.call_kwargs(lists.pop(WHERE), ids, group))
@@ -56,8 +56,9 @@ def graph_safe_lr(opt: DistributedFusedAdam, index: int) -> Tensor:
 
 
 def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: list[int],
-                 contiguous_param_buffer: bool) -> dict[tuple, dict[str, list[Tensor]]]:
-    """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
+                 contiguous_param_buffer: bool, per_fragment: bool = False) -> dict[tuple, dict[str, list[Tensor]]]:
+    """The fused kernel's argument lists: one call per (param group, bucket dtypes); under WHERE, each
+    entry's (shard state, fragment) where `per_fragment` (else None)."""
     calls: dict[tuple, dict[str, list[Tensor]]] = {}
     for b in buckets:
         s = b.state
@@ -78,7 +79,8 @@ def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: l
         local = b.local_param_slice()
         if s.master is None and not contiguous_param_buffer:
             b.gather_in(params)  # the model params are the masters (or their high halves)
-        fragment_at = {f.shard_offset: f for f in b.fragments}  # a run of one fragment starts at it
+        # per_fragment (moments.py): each run is one fragment, starting at it
+        fragment_at = {f.shard_offset: f for f in b.fragments} if per_fragment else {}
         for group, start, end in b.runs:
             c = calls.setdefault((group, b.spec.group), {k: [] for k in (*KEYS, WHERE)})
             c[WHERE].append((s, fragment_at.get(start)))
