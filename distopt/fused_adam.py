@@ -47,9 +47,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         (``torch.optim.Adam``). Giving both with different values raises ValueError. Per group.
       foreach, fused: accepted (None, True or False) and change nothing: the update is always
         distopt's fused multi-tensor kernel.
-      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward). A
-        group whose option is changed to an unsupported value makes ``step()`` raise before anything
-        changes.
+      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward), also
+        when a group is changed to it later (``step()`` raises before anything changes).
       master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["param"]``;
         the update runs on the masters and writes the model params in the same pass. Off by default:
         16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).

@@ -20,8 +20,7 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
   every tensor in `extra`; on load each rank reads just the saved ranges that overlap its new ones.
-  The save is crash-consistent: written beside the path and switched in atomically
-  (atomic_replace.py), so the path always holds one complete checkpoint.
+  Crash-consistent: written beside the path and switched in atomically (atomic_replace.py).
 
 Loading is all or nothing. It checks the format, param count, shapes, coverage and (where the
 checkpoint has them) the checksums of everything it reads, into fresh tensors, on every rank,
@@ -32,9 +31,8 @@ captured CUDA graph stays valid) and the model params from the fp32 masters, so 
 loaded first or with the same checkpoint. A state dict that was edited on purpose loads once its
 ``checksums`` entry is deleted.
 
-Checkpoints without checksums are accepted unverified: torch's and FusedAdam's state dicts, and
-sharded checkpoints of the first format (``distopt.sharded.v1``, with a warning), which still get
-every other check and the all-or-nothing load.
+Checkpoints without checksums (torch's and FusedAdam's state dicts, ``distopt.sharded.v1`` with a
+warning) are accepted unverified, with every other check and the all-or-nothing load.
 """
 
 from __future__ import annotations
