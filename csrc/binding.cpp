@@ -23,6 +23,7 @@ DType to_dtype(at::ScalarType t, const char* what) {
     case at::kHalf: return DType::Float16;
     case at::kBFloat16: return DType::BFloat16;
     case at::kShort: return DType::Int16;
+    case at::kByte: return DType::UInt8;
     default: TORCH_CHECK_TYPE(false, what, ": unsupported dtype ", t);
   }
 }
@@ -32,7 +33,8 @@ bool is_float_dtype(at::ScalarType t) {
 }
 
 // Checks a list against the reference list (the op's first) and describes it. `allowed` is
-// "float" (fp32/fp16/bf16), "fp32" or "int16"; every entry shares one dtype.
+// "float" (fp32/fp16/bf16), "fp32", "int16" or "state" (an Adam moment: fp32, bf16 or uint8 codes,
+// Note [State formats]); every entry shares one dtype.
 TensorList describe(at::TensorList list, at::TensorList ref, const char* name, const char* allowed) {
   TORCH_CHECK_VALUE(list.size() == ref.size(), name, ": expected ", ref.size(), " tensors, got ",
                     list.size());
@@ -40,10 +42,12 @@ TensorList describe(at::TensorList list, at::TensorList ref, const char* name, c
   if (list.empty()) return out;
   const at::ScalarType dtype = list[0].scalar_type();
   const std::string kind(allowed);
-  const bool ok = kind == "float" ? is_float_dtype(dtype)
-                  : kind == "fp32" ? dtype == at::kFloat
-                                   : dtype == at::kShort;
-  TORCH_CHECK_TYPE(ok, name, ": expected ", allowed, " tensors, got ", dtype);
+  const bool ok = kind == "float"   ? is_float_dtype(dtype)
+                  : kind == "fp32"  ? dtype == at::kFloat
+                  : kind == "state" ? (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kByte)
+                                    : dtype == at::kShort;
+  TORCH_CHECK_TYPE(ok, name, ": expected ", kind == "state" ? "fp32, bf16 or uint8 (8-bit blockwise)" : allowed,
+                   " tensors, got ", dtype);
   out.dtype = to_dtype(dtype, name);
   out.data.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
@@ -161,15 +165,50 @@ void set_steps(AdamArgs& args, at::TensorList steps, size_t count, const at::Dev
   }
 }
 
+StateFormat state_format(at::TensorList states) {
+  if (states.empty() || states[0].scalar_type() == at::kFloat) return StateFormat::Float32;
+  return states[0].scalar_type() == at::kBFloat16 ? StateFormat::BFloat16 : StateFormat::Blockwise8;
+}
+
+// The absmax list of an 8-bit moment list (one fp32 per kQuantBlock elements of each entry, contiguous,
+// beside its codes); empty for the other formats.
+TensorList describe_scales(at::TensorList scales, at::TensorList states, const char* name, const char* states_name) {
+  const bool quantized = state_format(states) == StateFormat::Blockwise8;
+  if (!quantized) {
+    TORCH_CHECK_VALUE(scales.empty(), name, ": only 8-bit (uint8) ", states_name, " have scales, got ",
+                      scales.size(), " tensors for ", states.empty() ? "none" : c10::toString(states[0].scalar_type()));
+    return TensorList{};
+  }
+  TORCH_CHECK_VALUE(scales.size() == states.size(), name, ": expected one absmax tensor per entry of ", states_name,
+                    " (", states.size(), "), got ", scales.size());
+  TensorList out;
+  out.dtype = DType::Float32;
+  for (size_t i = 0; i < scales.size(); ++i) {
+    const at::Tensor& t = scales[i];
+    const int64_t blocks = (states[i].numel() + kQuantBlock - 1) / kQuantBlock;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, "[", i, "]: expected float32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.device() == states[i].device(), name, "[", i, "] is on ", t.device(), ", expected ",
+                      states[i].device());
+    TORCH_CHECK_VALUE(t.numel() == blocks && t.is_contiguous(), name, "[", i, "]: expected ", blocks,
+                      " contiguous elements (one per ", kQuantBlock, " of ", states_name, "[", i, "]), got ",
+                      t.numel());
+    TORCH_CHECK_VALUE(blocks == 0 || t.data_ptr() != states[i].data_ptr(), name, "[", i, "] must not alias ",
+                      states_name, "[", i, "]");
+    out.data.push_back(t.data_ptr());
+  }
+  return out;
+}
+
 // Checks and describes the lists of an adam_step_ call (see kernels.h for their roles).
 TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                          at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders) {
+                          at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
+                          at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales) {
   TensorLists tl;
   tl.lists.resize(kNumAdamLists);
   tl.lists[kParam] = describe(params, params, "params", "float");
   tl.lists[kGrad] = describe(grads, params, "grads", "float");
-  tl.lists[kExpAvg] = describe(exp_avgs, params, "exp_avgs", "fp32");
-  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, params, "exp_avg_sqs", "fp32");
+  tl.lists[kExpAvg] = describe(exp_avgs, params, "exp_avgs", "state");
+  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, params, "exp_avg_sqs", "state");
   if (!param_outs.empty()) {
     tl.lists[kParamOut] = describe(param_outs, params, "param_outs", "float");
     for (size_t i = 0; i < params.size(); ++i) {
@@ -193,8 +232,45 @@ TensorLists describe_adam(at::TensorList params, at::TensorList grads, at::Tenso
                           exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
                       "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
   }
+  tl.lists[kExpAvgScale] = describe_scales(exp_avg_scales, exp_avgs, "exp_avg_scales", "exp_avgs");
+  tl.lists[kExpAvgSqScale] = describe_scales(exp_avg_sq_scales, exp_avg_sqs, "exp_avg_sq_scales", "exp_avg_sqs");
+  for (size_t i = 0; i < exp_avg_scales.size() && i < exp_avg_sq_scales.size(); ++i) {
+    TORCH_CHECK_VALUE(exp_avg_scales[i].numel() == 0 || exp_avg_scales[i].data_ptr() != exp_avg_sq_scales[i].data_ptr(),
+                      "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i, "] must not alias");
+  }
   tl.numel = numels(params);
   return tl;
+}
+
+// Stochastic rounding's seed and per-entry keys (Note [Stochastic rounding bits]): with a seed, one
+// param id (0 <= id < 2^32) per entry and optionally the offset of each entry's first element within
+// its param (>= 0; default 0). With 8-bit moments an offset must be a multiple of kQuantBlock, so the
+// entry's blocks are its param's blocks. Reads args' formats.
+void set_rounding(AdamArgs& args, std::optional<int64_t> seed, at::IntArrayRef param_ids,
+                  at::IntArrayRef param_offsets, size_t count) {
+  TORCH_CHECK_VALUE(param_ids.empty() || param_ids.size() == count, "param_ids: expected one id per param (",
+                    count, "), got ", param_ids.size());
+  TORCH_CHECK_VALUE(param_offsets.empty() || param_offsets.size() == count,
+                    "param_offsets: expected one offset per param (", count, "), got ", param_offsets.size());
+  const bool blockwise =
+      args.exp_avg_format == StateFormat::Blockwise8 || args.exp_avg_sq_format == StateFormat::Blockwise8;
+  for (size_t i = 0; i < param_offsets.size(); ++i) {
+    TORCH_CHECK_VALUE(param_offsets[i] >= 0, "param_offsets[", i, "] must be >= 0, got ", param_offsets[i]);
+    TORCH_CHECK_VALUE(!blockwise || param_offsets[i] % kQuantBlock == 0, "param_offsets[", i, "] = ",
+                      param_offsets[i], ": with 8-bit moments an entry must start at a multiple of ", kQuantBlock,
+                      " elements of its param (its quantisation blocks are the param's)");
+  }
+  if (!seed.has_value()) return;
+  TORCH_CHECK_VALUE(param_ids.size() == count, "stochastic rounding (a rounding seed) needs param_ids: one id per param (",
+                    count, "), got ", param_ids.size());
+  args.stochastic_rounding = true;
+  args.seed = static_cast<uint64_t>(*seed);
+  for (size_t i = 0; i < count; ++i) {
+    TORCH_CHECK_VALUE(param_ids[i] >= 0 && param_ids[i] <= 0xffffffffLL, "param_ids[", i,
+                      "] must be in [0, 2^32), got ", param_ids[i]);
+    args.param_ids.push_back(static_cast<uint32_t>(param_ids[i]));
+  }
+  for (const int64_t offset : param_offsets) args.param_offsets.push_back(static_cast<uint64_t>(offset));
 }
 
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
@@ -239,12 +315,18 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
                 const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
                 double weight_decay, bool adam_w_mode, bool maximize,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales, std::optional<int64_t> rounding_seed,
+                at::IntArrayRef param_ids, at::IntArrayRef param_offsets) {
   TORCH_CHECK_VALUE(!params.empty(), "adam_step_: expected at least one param");
   const at::Device device = params[0].device();
   AdamArgs args;
   args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
-  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders);
+  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
+                                       exp_avg_scales, exp_avg_sq_scales);
+  args.exp_avg_format = state_format(exp_avgs);
+  args.exp_avg_sq_format = state_format(exp_avg_sqs);
+  set_rounding(args, rounding_seed, param_ids, param_offsets, params.size());
   set_lr(args, lr, device);
   set_steps(args, steps, params.size(), device);
   args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
@@ -292,7 +374,9 @@ void cast_copy_(at::TensorList inputs, at::TensorList outputs, const std::option
   template void adam_step_<Kernels>(at::TensorList, at::TensorList, at::TensorList, at::TensorList,      \
                                     at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,    \
                                     double, double, double, double, bool, bool,                           \
-                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);  \
+                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,   \
+                                    at::TensorList, at::TensorList, std::optional<int64_t>,               \
+                                    at::IntArrayRef, at::IntArrayRef);                                    \
   template std::tuple<at::Tensor, at::Tensor> l2norm<Kernels>(at::TensorList,                             \
                                                               const std::optional<at::Tensor>&);          \
   template void scale_<Kernels>(at::TensorList, at::TensorList, const at::Tensor&,                       \

@@ -20,7 +20,9 @@ void adam_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_
                 at::TensorList exp_avg_sqs, at::TensorList param_outs, at::TensorList param_remainders,
                 const at::Tensor& lr, at::TensorList steps, double beta1, double beta2, double eps,
                 double weight_decay, bool adam_w_mode, bool maximize,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales, std::optional<int64_t> rounding_seed,
+                at::IntArrayRef param_ids, at::IntArrayRef param_offsets);
 
 template <typename Kernels>
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const std::optional<at::Tensor>& found_inf);
