@@ -26,7 +26,7 @@ $(VENV)/.deps:
 	# the integrations are tested with the real frameworks (optional at run time: see pyproject extras)
 	$(PY) -m pip install -q "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
 	# torchao: its AdamW8bit is the 8-bit moment format the low-precision tests compare with
-	$(PY) -m pip install -q "torchao>=0.18"
+	$(PY) -m pip install -q "torchao==0.18.0"
 	# torchtitan's optimizer container and checkpointer need only tyro and spmd_types to import; its other
 	# dependencies serve its trainer (datasets, wandb, tensorboard) and would pin huggingface_hub below 2.
 	$(PY) -m pip install -q tyro "spmd_types==0.2.3; python_version >= '3.11'"
