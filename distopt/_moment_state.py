@@ -35,7 +35,6 @@ from ._kernel_views import state_like
 from .state_formats import QUANT_BLOCK, zero_code
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-SEED_KEY = "rounding_seed"  # the param groups' key of the stochastic-rounding seed
 
 
 def _name(p: Tensor, where: str) -> str:
@@ -95,7 +94,7 @@ class MomentState:
 
     def defaults(self) -> dict[str, Any]:
         """Param-group defaults: the rounding seed, with stochastic rounding."""
-        return {SEED_KEY: mf.draw_seed()} if self.formats.stochastic_rounding else {}
+        return self.formats.group_defaults()
 
     # ------------------------------------------------------------------ checks (before anything changes)
 
@@ -174,29 +173,9 @@ class MomentState:
                     offsets: Sequence[int], group: dict[str, Any]) -> dict[str, Any]:
         """The op's moment arguments for one call (``ids``: the params' positions in param_groups order,
         ``offsets``: ``element_offset`` of each)."""
-        if self.plain:
-            return {}
-        out: dict[str, Any] = dict(exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales)
-        if self.formats.stochastic_rounding:
-            out.update(rounding_seed=int(group[SEED_KEY]), param_ids=list(ids), param_offsets=list(offsets))
-        return out
+        return self.formats.op_arguments(exp_avg_scales, exp_avg_sq_scales, ids, offsets, group)
 
     # ------------------------------------------------------------------ state dicts
-
-    def saved_seeds(self, saved_groups: list[dict[str, Any]]) -> list[int | None]:
-        """Each saved group's rounding seed (None where it has none, e.g. torch's AdamW), checked."""
-        seeds = [g.get(SEED_KEY) for g in saved_groups]
-        for seed in seeds:
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-                raise ValueError(f"a saved param group's {SEED_KEY!r} must be an int, got {seed!r}")
-        return seeds
-
-    def restore_seeds(self, groups: list[dict[str, Any]], seeds: list[int | None]) -> None:
-        """With stochastic rounding, the saved seeds replace the groups' own (a resume rounds on as the
-        saved run did); without, a saved seed is dropped."""
-        for group, seed in zip(groups, seeds):
-            if seed is not None and self.formats.stochastic_rounding:
-                group[SEED_KEY] = seed
 
     def saved_as_float32(self, p: Tensor, saved: Any) -> Any:
         """A saved per-param state with low-precision moments read into fp32 (a new dict; checks that an

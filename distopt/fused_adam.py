@@ -24,7 +24,7 @@ from ._validation import (
     weight_decay_mode,
 )
 from .grad_scaling import GradScaling, count_step
-from .moment_formats import ABSMAX_KEYS, MomentFormats
+from .moment_formats import ABSMAX_KEYS, MomentFormats, saved_seeds
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
@@ -485,7 +485,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = saved_state_by_param(self.param_groups, state_dict, "FusedAdam.load_state_dict")
-        seeds = self._moments.saved_seeds(state_dict["param_groups"])
+        seeds = saved_seeds(state_dict["param_groups"])
         step_device = self._device if self.capturable else torch.device("cpu")
         # Moments saved in any format: read as fp32, stored in this optimizer's (the saved bits where they
         # are in it already), all before anything is replaced (distopt/_moment_state.py).
@@ -497,4 +497,4 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)
         restore_hyperparameters(self.param_groups, state_dict["param_groups"])
-        self._moments.restore_seeds(self.param_groups, seeds)
+        self._moments.formats.restore_seeds(self.param_groups, seeds)

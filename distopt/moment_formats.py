@@ -11,6 +11,8 @@ global size, never on a shard's, so every world size stores the same bits.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,6 +23,7 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 # Params smaller than this keep fp32 moments when 8-bit is asked for (as bitsandbytes' min_8bit_size):
 # their absmax would cost more than the codes save, and they are the norms and biases 8-bit hurts most.
 MIN_8BIT_NUMEL = 4096
+SEED_KEY = "rounding_seed"  # the param groups' key of the stochastic-rounding seed (draw_seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,28 @@ class MomentFormats:
             return torch.float32 if dtype == torch.uint8 and global_numel < MIN_8BIT_NUMEL else dtype
 
         return one(self.exp_avg_dtype), one(self.exp_avg_sq_dtype)
+
+    def group_defaults(self) -> dict[str, int]:
+        """Param-group defaults: a rounding seed (``draw_seed``) with stochastic rounding, else none."""
+        return {SEED_KEY: draw_seed()} if self.stochastic_rounding else {}
+
+    def op_arguments(self, exp_avg_scales: Sequence[Tensor], exp_avg_sq_scales: Sequence[Tensor],
+                     param_ids: Sequence[int], param_offsets: Sequence[int], group: dict[str, Any]) -> dict[str, Any]:
+        """``ops.adam_step_``'s moment arguments for one call (none for fp32 state): the entries' absmax
+        scales and, with stochastic rounding, the group's seed and each entry's param id and element offset."""
+        if self.plain:
+            return {}
+        out: dict[str, Any] = dict(exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales))
+        if self.stochastic_rounding:
+            out.update(rounding_seed=int(group[SEED_KEY]), param_ids=list(param_ids), param_offsets=list(param_offsets))
+        return out
+
+    def restore_seeds(self, groups: list[dict[str, Any]], seeds: list[int | None]) -> None:
+        """With stochastic rounding, the saved seeds (``saved_seeds``) replace the groups' own, so a resume
+        rounds on as the saved run did; without, a saved seed is dropped."""
+        for group, seed in zip(groups, seeds):
+            if seed is not None and self.stochastic_rounding:
+                group[SEED_KEY] = seed
 
 
 def num_blocks(numel: int) -> int:
@@ -90,6 +115,15 @@ def draw_seed() -> int:
     param id is the param's position in the optimizer's ``param_groups`` order (all groups, in order)
     and the element index counts from the param's first element (a shard passes its offset)."""
     return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def saved_seeds(saved_groups: list[Any]) -> list[int | None]:
+    """Each saved param group's rounding seed (None where it has none, e.g. torch's AdamW), checked."""
+    seeds = [g.get(SEED_KEY) if isinstance(g, dict) else None for g in saved_groups]
+    for seed in seeds:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"a saved param group's {SEED_KEY!r} must be an int, got {seed!r}")
+    return seeds
 
 
 # ---------------------------------------------------------------------- per-param state in torch's layout

@@ -27,7 +27,6 @@ from .. import moment_formats as mf
 from .._state_dicts import CHECKSUMS, check_state_checksums
 from ..state_formats import QUANT_BLOCK
 from .buckets import flat
-from .moments import SEED_KEY
 
 LOW = (torch.bfloat16, torch.uint8)
 # (param position in param_groups) -> {moment name: (saved state in the param's memory order, absmax)}
@@ -82,10 +81,7 @@ def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict) \
             or not isinstance(sd.get("param_groups"), list):
         return sd, {}, []
-    seeds = [g.get(SEED_KEY) if isinstance(g, dict) else None for g in sd["param_groups"]]
-    for seed in seeds:
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"a saved param group's {SEED_KEY!r} must be an int, got {seed!r}")
+    seeds = mf.saved_seeds(sd["param_groups"])
     lowprec = any(isinstance(e, dict) and any(isinstance(e.get(n), Tensor) and e[n].dtype in LOW for n in mf.SIGNED)
                   for e in sd["state"].values())
     if not lowprec:
@@ -114,10 +110,7 @@ def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
 def restore(opt: Any, exact: Exact, position_of: Callable[[Any], int | None], seeds: list[int | None]) -> None:
     """After the fp32 load: the saved bits of each moment saved in the format and memory layout this
     optimizer stores it in, over the quantised ones; and the saved rounding seeds."""
-    if formats(opt).stochastic_rounding:
-        for group, seed in zip(opt.param_groups, seeds):
-            if seed is not None:
-                group[SEED_KEY] = seed
+    formats(opt).restore_seeds(opt.param_groups, seeds)
     if not exact:
         return
     by_position = {position_of(k): v for k, v in exact.items()}

@@ -34,14 +34,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..moment_formats import MomentFormats, draw_seed, num_blocks
+from ..moment_formats import SEED_KEY, MomentFormats, num_blocks
 from ..state_formats import QUANT_BLOCK
 from .buckets import shard_runs
 from .comm import Comm
 from .layout import DEFAULT_ALIGN, Fragment
 from .options import Storage
-
-SEED_KEY = "rounding_seed"  # FusedAdam's param-group key (distopt/_moment_state.py)
 
 # A kernel entry of one fragment: the bucket's shard state and the fragment (see ``call_kwargs``).
 Where = tuple[Any, Fragment]
@@ -65,7 +63,7 @@ class ShardMoments:
 
     def defaults(self) -> dict[str, Any]:
         """Param-group defaults: the rounding seed, with stochastic rounding."""
-        return {SEED_KEY: draw_seed()} if self.formats.stochastic_rounding else {}
+        return self.formats.group_defaults()
 
     def options(self) -> tuple[torch.dtype, torch.dtype, bool]:
         """exp_avg_dtype, exp_avg_sq_dtype, stochastic_rounding (agreement.py compares them across ranks)."""
@@ -130,14 +128,13 @@ class ShardMoments:
         index to its position in param_groups order."""
         if self.plain:
             return {}
-        out: dict[str, Any] = dict(exp_avg_scales=[], exp_avg_sq_scales=[])
-        for s, f in where:
-            for key, scales in (("exp_avg_scales", s.exp_avg_scales), ("exp_avg_sq_scales", s.exp_avg_sq_scales)):
-                if scales is not None:
-                    first = f.shard_offset // QUANT_BLOCK
-                    out[key].append(scales[first : first + num_blocks(f.numel)])
-        if self.formats.stochastic_rounding:
-            out.update(rounding_seed=int(group[SEED_KEY]), param_ids=[param_ids[f.param] for _, f in where],
-                       param_offsets=[f.param_offset for _, f in where])
-        return out
+
+        def blocks(scales: Tensor | None, f: Fragment) -> list[Tensor]:
+            first = f.shard_offset // QUANT_BLOCK
+            return [] if scales is None else [scales[first : first + num_blocks(f.numel)]]
+
+        return self.formats.op_arguments([b for s, f in where for b in blocks(s.exp_avg_scales, f)],
+                                         [b for s, f in where for b in blocks(s.exp_avg_sq_scales, f)],
+                                         [param_ids[f.param] for _, f in where], [f.param_offset for _, f in where],
+                                         group)
 
