@@ -42,6 +42,8 @@ $(VENV)/.base:
 $(TEST_DEPS): $(VENV)/.base
 	$(PIP) ninja setuptools "pytest>=8" hypothesis numpy matplotlib expecttest
 	$(PIP) "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
+	# torchao: its AdamW8bit is the 8-bit moment format the low-precision tests compare with
+	$(PIP) "torchao==0.18.0"
 	$(PIP) tyro "spmd_types==0.2.3; python_version >= '3.11'"
 	$(PIP) --no-deps "torchtitan==0.3.0; python_version >= '3.11'"
 	touch $@

@@ -13,6 +13,11 @@ median of the per-pair ratios, with its 10th-90th percentile spread:
   adam bf16 master   fp32 masters + bf16 grads + bf16 param_outs in one pass, vs torch's best
                      equivalent (bf16 grads cast into fp32 grads, fused AdamW, masters copied into the
                      bf16 params): >= 1.3x;
+  adam 8-bit / bf16 moments
+                     ops.adam_step_ with uint8 blockwise (codes + absmax per 256) or bf16 exp_avg and
+                     exp_avg_sq vs the same op with fp32 moments (issue 19): >= 1.5x and >= 1.3x its
+                     speed; bytes per element 16 and 20 against 28, so 1.75x and 1.4x are the bandwidth
+                     limits;
   l2norm             ops.l2norm vs torch.linalg.vector_norm: >= 1x;
   cast_copy / scale  fp32 -> bf16 cast copy and fp32 scale: >= 80% of the copy bandwidth;
   DeepSpeedCPUAdam   a peer row for adam fp32 when deepspeed's CPU Adam is importable and builds.
@@ -20,7 +25,8 @@ median of the per-pair ratios, with its 10th-90th percentile spread:
 Every pair is first checked for correctness (no number for a wrong result). Bytes count every read
 and write once, plus the write-allocate read of an output that is not read first (the cache line is
 loaded before it is written): copy 12 B/element, triad 16, scale in place 8, Adam fp32 28 (p, m, v are read before
-written), the bf16-master update 30, cast fp32 -> bf16 8, out-of-place fp32 scale 12.
+written), the bf16-master update 30, 8-bit moments 16 (absmax: 1/32 B more), bf16 moments 20, cast fp32 -> bf16 8,
+out-of-place fp32 scale 12.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from torch import Tensor
 
 from distopt import ops
+from distopt import state_formats as sf
 
 from common import Timing, gbps, time_ab
 
@@ -215,6 +222,48 @@ class Targets:
             r_t.median_ms >= 1.3, 30 * self.n, "distopt: one pass (param_outs); torch: three",
         )  # fmt: skip
 
+    def adam_low_precision_moments(self) -> None:
+        """8-bit and bf16 moments against fp32 moments, all with fp32 params and grads (issue 19)."""
+        base = _adam_state(self.n, torch.float32)
+        for dtype, target, nbytes in ((torch.uint8, 1.5, 16), (torch.bfloat16, 1.3, 20)):
+            name = f"adam {'8-bit' if dtype == torch.uint8 else 'bf16'} moments"
+            d = {k: x.clone() for k, x in base.items()}
+            scales: dict[str, list[Tensor]] = {"m": [], "v": []}
+            for key, signed in (("m", True), ("v", False)):
+                if dtype == torch.uint8:
+                    d[key], absmax = sf.quantize_blockwise(d[key], signed)
+                    scales[key] = [absmax]
+                else:
+                    d[key] = d[key].to(dtype)
+            f = {k: x.clone() for k, x in base.items()}
+
+            def low(d=d, scales=scales) -> None:
+                ops.adam_step_(
+                    [d["p"]], [d["g"]], [d["m"]], [d["v"]], lr=LR, step=STEP, beta1=BETAS[0], beta2=BETAS[1],
+                    eps=EPS, weight_decay=WD, adam_w_mode=True, exp_avg_scales=scales["m"],
+                    exp_avg_sq_scales=scales["v"],
+                )  # fmt: skip
+
+            def check(d=d, scales=scales, dtype=dtype, low=low) -> None:
+                # Bit for bit: the fp32-moment op between state_formats' exact reads and stores.
+                p = d["p"].clone()
+                m, v = (sf.dequantize_blockwise(d[k], scales[k][0], k == "m") if dtype == torch.uint8
+                        else d[k].float() for k in ("m", "v"))  # fmt: skip
+                _distopt_adam({"p": p, "g": d["g"], "m": m, "v": v}, [])
+                low()
+                want = {"p": p, "m": m, "v": v}
+                for k in ("m", "v"):
+                    want[k] = sf.quantize_blockwise(want[k], k == "m")[0] if dtype == torch.uint8 else want[k].to(dtype)
+                for k, x in want.items():
+                    if not torch.equal(d[k].view(torch.uint8), x.view(torch.uint8)):
+                        raise AssertionError(f"{k} differs from the fp32 op between exact reads and stores")
+
+            if not self._checked(name, check):
+                continue
+            a_t, b_t, r_t = self._time(Contender(low), Contender(lambda f=f: _distopt_adam(f, [])))
+            self._row(name, a_t, b_t, r_t, "adam_step_ fp32 moments", f">= {target}x", r_t.median_ms >= target,
+                      nbytes * self.n, f"bandwidth limit {28 / nbytes:.2f}x ({nbytes} vs 28 B/element)")  # fmt: skip
+
     def l2norm(self, dtype: torch.dtype) -> None:
         x, flag = torch.randn(self.n).to(dtype), torch.zeros(1)
         name = f"l2norm {str(dtype).removeprefix('torch.')}"
@@ -293,6 +342,7 @@ def run_targets(n: int, reps: int, warmup: int, with_deepspeed: bool = True) -> 
     ds, ds_note = deepspeed_peer() if with_deepspeed else (None, "DeepSpeed peer not requested")
     t.adam_fp32(ds)
     t.adam_bf16_master()
+    t.adam_low_precision_moments()
     t.l2norm(torch.float32)
     t.l2norm(torch.bfloat16)
     t.cast_and_scale()

@@ -3,6 +3,9 @@
 #   device   OUT_DIR/device.txt: GPU, driver, torch/CUDA/nvcc versions, git commit
 #   build    pip install --no-build-isolation -e .   (no downloads: the machine has no internet)
 #   pytest   python -m pytest -m cuda -v             -> OUT_DIR/pytest_cuda.log
+#   lowprec  benchmarks/bench_lowprec_kernels.py --device cuda --torchao (bf16, stochastic bf16 and 8-bit
+#            moments vs fp32 moments and torch's fused AdamW, checked against the CPU kernel's bits)
+#            -> its table and lowprec_kernels.json in OUT_DIR/suite.log, between "=== ... begin/end" lines
 #   bench    benchmarks/bench_kernels.py --device cuda -> OUT_DIR/results.json, results.png
 #   step     benchmarks/bench_step.py --device cuda --world-size 1 (whole optimizer step and iteration:
 #            DistributedFusedAdam vs FusedAdam vs DDP + AdamW) -> OUT_DIR/results_step.json, .png
@@ -82,6 +85,21 @@ pytest_cuda() { in_time "$PYTHON" -m pytest -m cuda -v 2>&1 | tee "$OUT/pytest_c
 bench() { in_time "$PYTHON" benchmarks/bench_kernels.py --device cuda --out "$OUT"; }
 
 # ~30 s expected (a 98M-param GPT: correctness check in fp32 and bf16, then 4 optimizers timed).
+# ~60 s expected: low-precision moments (bf16, stochastic bf16, 8-bit) against fp32 moments and torch's
+# fused AdamW, each checked bit for bit against the CPU kernel first. JSON into suite.log, as offload's.
+bench_lowprec() {
+  local tmp rc=0
+  tmp=$(mktemp -d)
+  in_time "$PYTHON" benchmarks/bench_lowprec_kernels.py --device cuda --out "$tmp" --torchao || rc=$?
+  if [[ -f $tmp/lowprec_kernels.json ]]; then
+    echo "=== lowprec_kernels.json begin"
+    cat "$tmp/lowprec_kernels.json"
+    echo "=== lowprec_kernels.json end"
+  fi
+  rm -rf "$tmp"
+  return "$rc"
+}
+
 bench_step() { in_time "$PYTHON" benchmarks/bench_step.py --device cuda --world-size 1 --out "$OUT"; }
 
 # ~60 s expected (4 pairs of a 100M-param Linear stack; the offloaded steps run the host kernel over
@@ -99,7 +117,7 @@ bench_offload() {
   return "$rc"
 }
 
-# Every op and dtype path at small sizes: odd lengths, one tensor spanning several chunks, more
+# Every op and dtype path at small sizes (low-precision moments too): odd lengths, one tensor spanning several chunks, more
 # tensors than one launch's metadata holds, and views at an odd element offset so that both the
 # vectorised and the unaligned paths run. Inputs are made on the host so that few torch kernels run
 # under the (slow) sanitizer. No value checks: the tests do those; this looks for memory errors.
@@ -108,6 +126,7 @@ import sys
 import torch
 from distopt import ops
 from distopt.reference import split_bf16_remainder
+from distopt.state_formats import quantize_blockwise
 
 OPS = ("adam_step_", "l2norm", "scale_", "cast_copy_")
 assert all(ops.has_kernel(op, "cuda") for op in OPS), "distopt._C has no CUDA kernels"
@@ -155,8 +174,25 @@ def l2norm():
 
 l2norm()
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+def lowprec(param, moments, seed):
+    """Low-precision moments (bf16 or 8-bit codes with float32 absmax per 256), stochastic rounding with a seed."""
+    if moments is torch.uint8:
+        (m, ms), (v, vs) = (zip(*(quantize_blockwise(x(n), s) for n in SIZES)) for x, s in ((torch.randn, True), (torch.rand, False)))
+        m, v, scales = place(m), place(v, 1), dict(exp_avg_scales=place(ms, 1), exp_avg_sq_scales=place(vs))
+    else:
+        m, v, scales = make(moments), place([torch.rand(n).to(moments) for n in SIZES], 1), {}
+    seeded = dict(rounding_seed=seed, param_ids=list(range(len(SIZES)))) if seed is not None else {}
+    ops.adam_step_(make(param), make(param, 1), m, v, lr=1e-3, step=3, weight_decay=0.01, grad_scale=scalar(0.5),
+                   found_inf=scalar(0.0), **scales, **seeded)
+
+l2norm()
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 adam(f32, bf16, bf16, capturable=True)  # its coefficients go through shared memory
 if sys.argv[1:] != ["shared"]:
+    lowprec(f32, bf16, None)
+    lowprec(bf16, bf16, 7)
+    lowprec(f32, torch.uint8, None)
+    lowprec(bf16, torch.uint8, 7)
     adam(f32, f32, None)
     adam(f32, bf16, bf16)
     adam(f32, f16, f16, adam_w=False)
@@ -200,6 +236,7 @@ main() {
   run_stage device 60 device_info
   run_stage build 240 build
   run_stage pytest 210 pytest_cuda
+  run_stage lowprec 90 bench_lowprec
   run_stage bench 150 bench
   run_stage step 120 bench_step
   run_stage offload 100 bench_offload

@@ -23,6 +23,7 @@ std::string dtype_name(ScalarType dtype) {
     case ScalarType::Half: return "float16";
     case ScalarType::BFloat16: return "bfloat16";
     case ScalarType::Short: return "int16";
+    case ScalarType::Byte: return "uint8";
     case ScalarType::Double: return "float64";
     case ScalarType::Long: return "int64";
     case ScalarType::Int: return "int32";
@@ -44,6 +45,7 @@ DType to_dtype(ScalarType t) {
     case ScalarType::Half: return DType::Float16;
     case ScalarType::BFloat16: return DType::BFloat16;
     case ScalarType::Short: return DType::Int16;
+    case ScalarType::Byte: return DType::UInt8;
     default: fail("unsupported dtype ", dtype_name(t));
   }
 }
@@ -87,10 +89,13 @@ TensorList describe(const Tensors& list, const Tensors& ref, const char* name, c
   if (list.empty()) return out;
   const ScalarType dtype = list[0].scalar_type();
   const std::string kind(allowed);
-  const bool ok = kind == "float" ? is_float_dtype(dtype)
-                  : kind == "fp32" ? dtype == ScalarType::Float
-                                   : dtype == ScalarType::Short;
-  DISTOPT_CHECK(ok, name, ": expected ", allowed, " tensors, got ", dtype_name(dtype));
+  const bool ok = kind == "float"   ? is_float_dtype(dtype)
+                  : kind == "fp32"  ? dtype == ScalarType::Float
+                  : kind == "state" ? (dtype == ScalarType::Float || dtype == ScalarType::BFloat16 ||
+                                       dtype == ScalarType::Byte)
+                                    : dtype == ScalarType::Short;
+  DISTOPT_CHECK(ok, name, ": expected ", kind == "state" ? "fp32, bf16 or uint8 (8-bit blockwise)" : allowed,
+                " tensors, got ", dtype_name(dtype));
   out.dtype = to_dtype(dtype);
   out.data.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
@@ -167,14 +172,52 @@ void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device&
   }
 }
 
+StateFormat state_format(const Tensors& states) {
+  if (states.empty() || states[0].scalar_type() == ScalarType::Float) return StateFormat::Float32;
+  return states[0].scalar_type() == ScalarType::BFloat16 ? StateFormat::BFloat16 : StateFormat::Blockwise8;
+}
+
+namespace {
+
+// The absmax list of an 8-bit moment list (one fp32 per kQuantBlock elements of each entry, contiguous,
+// beside its codes); empty for the other formats.
+TensorList describe_scales(const Tensors& scales, const Tensors& states, const char* name, const char* states_name) {
+  if (state_format(states) != StateFormat::Blockwise8) {
+    DISTOPT_CHECK(scales.empty(), name, ": only 8-bit (uint8) ", states_name, " have scales, got ", scales.size(),
+                  " tensors for ", states.empty() ? "none" : dtype_name(states[0].scalar_type()));
+    return TensorList{};
+  }
+  DISTOPT_CHECK(scales.size() == states.size(), name, ": expected one absmax tensor per entry of ", states_name, " (",
+                states.size(), "), got ", scales.size());
+  TensorList out;
+  out.dtype = DType::Float32;
+  for (size_t i = 0; i < scales.size(); ++i) {
+    const Tensor& t = scales[i];
+    const int64_t blocks = (states[i].numel() + kQuantBlock - 1) / kQuantBlock;
+    DISTOPT_CHECK(t.scalar_type() == ScalarType::Float, name, "[", i, "]: expected float32, got ",
+                  dtype_name(t.scalar_type()));
+    DISTOPT_CHECK(t.device() == states[i].device(), name, "[", i, "] is on ", device_name(t.device()), ", expected ",
+                  device_name(states[i].device()));
+    DISTOPT_CHECK(t.numel() == blocks && t.is_contiguous(), name, "[", i, "]: expected ", blocks,
+                  " contiguous elements (one per ", kQuantBlock, " of ", states_name, "[", i, "]), got ", t.numel());
+    DISTOPT_CHECK(blocks == 0 || t.data_ptr() != states[i].data_ptr(), name, "[", i, "] must not alias ", states_name,
+                  "[", i, "]");
+    out.data.push_back(t.data_ptr());
+  }
+  return out;
+}
+
+}  // namespace
+
 TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
-                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders) {
+                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders,
+                          const Tensors& exp_avg_scales, const Tensors& exp_avg_sq_scales) {
   TensorLists tl;
   tl.lists.resize(kNumAdamLists);
   tl.lists[kParam] = describe(params, params, "params", "float");
   tl.lists[kGrad] = describe(grads, params, "grads", "float");
-  tl.lists[kExpAvg] = describe(exp_avgs, params, "exp_avgs", "fp32");
-  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, params, "exp_avg_sqs", "fp32");
+  tl.lists[kExpAvg] = describe(exp_avgs, params, "exp_avgs", "state");
+  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, params, "exp_avg_sqs", "state");
   if (!param_outs.empty()) {
     tl.lists[kParamOut] = describe(param_outs, params, "param_outs", "float");
     for (size_t i = 0; i < params.size(); ++i) {
@@ -198,8 +241,41 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
                       exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
                   "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
   }
+  tl.lists[kExpAvgScale] = describe_scales(exp_avg_scales, exp_avgs, "exp_avg_scales", "exp_avgs");
+  tl.lists[kExpAvgSqScale] = describe_scales(exp_avg_sq_scales, exp_avg_sqs, "exp_avg_sq_scales", "exp_avg_sqs");
+  for (size_t i = 0; i < exp_avg_scales.size() && i < exp_avg_sq_scales.size(); ++i) {
+    DISTOPT_CHECK(exp_avg_scales[i].numel() == 0 || exp_avg_scales[i].data_ptr() != exp_avg_sq_scales[i].data_ptr(),
+                  "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i, "] must not alias");
+  }
   tl.numel = numels(params);
   return tl;
+}
+
+void set_rounding(AdamArgs& args, const std::optional<int64_t>& seed, const std::vector<int64_t>& param_ids,
+                  const std::vector<int64_t>& param_offsets, size_t count) {
+  DISTOPT_CHECK(param_ids.empty() || param_ids.size() == count, "param_ids: expected one id per param (", count,
+                "), got ", param_ids.size());
+  DISTOPT_CHECK(param_offsets.empty() || param_offsets.size() == count, "param_offsets: expected one offset per param (",
+                count, "), got ", param_offsets.size());
+  const bool blockwise =
+      args.exp_avg_format == StateFormat::Blockwise8 || args.exp_avg_sq_format == StateFormat::Blockwise8;
+  for (size_t i = 0; i < param_offsets.size(); ++i) {
+    DISTOPT_CHECK(param_offsets[i] >= 0, "param_offsets[", i, "] must be >= 0, got ", param_offsets[i]);
+    DISTOPT_CHECK(!blockwise || param_offsets[i] % kQuantBlock == 0, "param_offsets[", i, "] = ", param_offsets[i],
+                  ": with 8-bit moments an entry must start at a multiple of ", kQuantBlock,
+                  " elements of its param (its quantisation blocks are the param's)");
+  }
+  if (!seed.has_value()) return;
+  DISTOPT_CHECK(param_ids.size() == count, "stochastic rounding (a rounding seed) needs param_ids: one id per param (",
+                count, "), got ", param_ids.size());
+  args.stochastic_rounding = true;
+  args.seed = static_cast<uint64_t>(*seed);
+  for (size_t i = 0; i < count; ++i) {
+    DISTOPT_CHECK(param_ids[i] >= 0 && param_ids[i] <= 0xffffffffLL, "param_ids[", i, "] must be in [0, 2^32), got ",
+                  param_ids[i]);
+    args.param_ids.push_back(static_cast<uint32_t>(param_ids[i]));
+  }
+  for (const int64_t offset : param_offsets) args.param_offsets.push_back(static_cast<uint64_t>(offset));
 }
 
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize) {

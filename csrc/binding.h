@@ -9,6 +9,7 @@
 //   Tensor[] / Tensor(a!)[]       const Tensors&         (std::vector<torch::stable::Tensor>)
 //   Tensor? / Tensor(a!)?         const OptionalTensor&  (std::optional<torch::stable::Tensor>)
 //   float / int / bool            double / int64_t / bool
+//   int? / int[]                  std::optional<int64_t> / std::vector<int64_t>
 //   -> (Tensor, Tensor)           std::tuple<Tensor, Tensor>
 // A new argument is a new parameter at its schema position, checked and described with the helpers
 // below; the registrations need no change.
@@ -58,8 +59,9 @@ std::string dtype_name(torch::headeronly::ScalarType dtype);
 std::string shape_string(const Tensor& t);
 
 // Checks a list against the reference list (the op's first) and describes it: same length, one dtype
-// of `allowed` ("float": fp32/fp16/bf16, "fp32" or "int16"), the reference's device, shape and strides,
-// dense. `name` names the list in errors.
+// of `allowed` ("float": fp32/fp16/bf16, "fp32", "int16" or "state": an Adam moment, fp32, bf16 or uint8
+// codes, Note [State formats]), the reference's device, shape and strides, dense. `name` names the list
+// in errors.
 TensorList describe(const Tensors& list, const Tensors& ref, const char* name, const char* allowed);
 
 // numel of each tensor, the TensorLists::numel of lists described against `list`.
@@ -71,12 +73,21 @@ float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* nam
 // The value of a one-element CPU tensor of any real dtype (what Tensor.item() gives).
 double cpu_scalar(const Tensor& t, const char* name);
 
-// adam_step_'s pieces: the lists (kernels.h's AdamList order), the hyperparameters, lr and steps.
+// adam_step_'s pieces: the lists (kernels.h's AdamList order, with the 8-bit moments' absmax lists), the
+// moments' formats (from their dtypes), the hyperparameters, lr and steps.
 TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
-                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders);
+                          const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders,
+                          const Tensors& exp_avg_scales, const Tensors& exp_avg_sq_scales);
+StateFormat state_format(const Tensors& states);
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize);
 void set_lr(AdamArgs& args, const Tensor& lr, const Device& device);
 void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device& device);
+// Stochastic rounding's seed and per-entry keys (Note [Stochastic rounding bits]): with a seed, one param
+// id (0 <= id < 2^32) per entry and optionally the offset of each entry's first element within its param
+// (>= 0; default 0). With 8-bit moments an offset must be a multiple of kQuantBlock, so that the entry's
+// blocks are its param's blocks. Reads args' formats.
+void set_rounding(AdamArgs& args, const std::optional<int64_t>& seed, const std::vector<int64_t>& param_ids,
+                  const std::vector<int64_t>& param_offsets, size_t count);
 
 // scale_'s and cast_copy_'s lists: inputs and outputs, exact aliasing allowed, partial overlap refused.
 TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const char* op);
@@ -92,12 +103,18 @@ template <typename Kernels>
 void adam_step_(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs, const Tensors& exp_avg_sqs,
                 const Tensors& param_outs, const Tensors& param_remainders, const Tensor& lr, const Tensors& steps,
                 double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize,
-                const OptionalTensor& grad_scale, const OptionalTensor& found_inf) {
+                const OptionalTensor& grad_scale, const OptionalTensor& found_inf, const Tensors& exp_avg_scales,
+                const Tensors& exp_avg_sq_scales, const std::optional<int64_t>& rounding_seed,
+                const std::vector<int64_t>& param_ids, const std::vector<int64_t>& param_offsets) {
   DISTOPT_CHECK(!params.empty(), "adam_step_: expected at least one param");
   const Device device = params[0].device();
   AdamArgs args;
   args.hyper = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, maximize);
-  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders);
+  const TensorLists tl = describe_adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders,
+                                       exp_avg_scales, exp_avg_sq_scales);
+  args.exp_avg_format = state_format(exp_avgs);
+  args.exp_avg_sq_format = state_format(exp_avg_sqs);
+  set_rounding(args, rounding_seed, param_ids, param_offsets, params.size());
   set_lr(args, lr, device);
   set_steps(args, steps, params.size(), device);
   args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");

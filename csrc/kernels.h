@@ -7,14 +7,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/types.h"
 #include "math/adam.h"
+#include "math/state_format.h"
 
 namespace distopt {
 
-// Lists of the fused Adam update; positions in TensorLists::lists.
-enum AdamList : int { kParam = 0, kGrad, kExpAvg, kExpAvgSq, kParamOut, kRemainder, kNumAdamLists };
+// Lists of the fused Adam update; positions in TensorLists::lists. The scales lists (one fp32 absmax
+// per kQuantBlock elements of an 8-bit moment, see math/state_format.h) have ceil(numel / kQuantBlock)
+// elements per entry, not numel.
+enum AdamList : int {
+  kParam = 0, kGrad, kExpAvg, kExpAvgSq, kParamOut, kRemainder, kExpAvgScale, kExpAvgSqScale, kNumAdamLists
+};
 
 struct AdamArgs {
   AdamHyper hyper;
@@ -24,11 +30,30 @@ struct AdamArgs {
   TensorList steps;                  // capturable: one float32 step scalar per entry (else empty)
   const float* grad_scale = nullptr; // g = grad * (*grad_scale); nullptr means 1
   const float* found_inf = nullptr;  // nonzero: the update is skipped, nothing is written
+  // How the moments are stored (the dtypes of exp_avg and exp_avg_sq; Note [State formats]).
+  StateFormat exp_avg_format = StateFormat::Float32;
+  StateFormat exp_avg_sq_format = StateFormat::Float32;
+  // Stochastic rounding of every bf16 store (moments, and bf16 params without remainders), with the
+  // bits of Note [Stochastic rounding bits]: the seed, and per entry its param id and the offset of its
+  // first element within the param.
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  std::vector<uint32_t> param_ids;
+  std::vector<uint64_t> param_offsets;
+
+  // Whether the update takes the fp32-moment loops (else the low-precision ones).
+  bool plain_states() const {
+    return exp_avg_format == StateFormat::Float32 && exp_avg_sq_format == StateFormat::Float32 &&
+           !stochastic_rounding;
+  }
 };
 
-// lists: param, grad, exp_avg, exp_avg_sq, param_out (may be empty; nullptr entries are skipped),
-// remainder (may be empty; when present params are bf16 high halves and remainders int16).
+// lists: param, grad, exp_avg, exp_avg_sq (fp32, bf16 or uint8 codes, as the formats say), param_out
+// (may be empty; nullptr entries are skipped), remainder (may be empty; when present params are bf16
+// high halves and remainders int16), the exp_avg and exp_avg_sq scales (present for 8-bit moments).
 void adam_cpu(const TensorLists& lists, const AdamArgs& args);
+// adam_cpu's low-precision-state traversal (cpu/adam_states.cpp), when !args.plain_states().
+void adam_states_cpu(const TensorLists& lists, const AdamArgs& args);
 
 // out[i] = ||lists.lists[0][i]||_2, *total = ||all||_2 in fp32; *found_inf = 1 if any element is
 // inf/nan (left untouched otherwise; may be nullptr).

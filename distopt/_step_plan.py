@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import dtensor
 from ._kernel_views import layout_strides, needs_view
+from ._moment_state import MomentState, element_offset
 
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
@@ -68,10 +69,18 @@ class Call:
     # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
     # longer than the update itself).
     step_storage: Tensor | None = None
+    # Low-precision moments (distopt/_moment_state.py): 8-bit moments' absmax tensors (else empty), and
+    # each param's position in param_groups order and first element (stochastic rounding's keys).
+    exp_avg_scales: list[Tensor] = field(default_factory=list)
+    exp_avg_sq_scales: list[Tensor] = field(default_factory=list)
+    param_ids: list[int] = field(default_factory=list)
+    param_offsets: list[int] = field(default_factory=list)
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         """(state key, the planned tensors under it) for every state tensor the call uses."""
         lists = [("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs), ("step", self.steps)]
+        lists += [(k, t) for k, t in (("exp_avg_absmax", self.exp_avg_scales),
+                                      ("exp_avg_sq_absmax", self.exp_avg_sq_scales)) if t]
         return lists + ([("param", self.params)] if self.param_outs else [])
 
     def dtypes(self) -> set[torch.dtype]:
@@ -154,8 +163,10 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
         return None
     calls: dict[tuple, Call] = {}
     unplanned = []
+    position = -1
     for index, group in enumerate(groups):
         for p in group["params"]:
+            position += 1
             g = p.grad
             if g is None:
                 unplanned.append(p)
@@ -164,7 +175,8 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             if not s:
                 return None
             master, viewed = "param" in s, needs_view(p)
-            key_ = (index, p.dtype, g.dtype, master, viewed, dtensor.is_dtensor(p))
+            key_ = (index, p.dtype, g.dtype, master, viewed, dtensor.is_dtensor(p), s["exp_avg"].dtype,
+                    s["exp_avg_sq"].dtype)
             key_ += (float(s["step"]),) if eager else ()
             call = calls.get(key_)
             if call is None:
@@ -177,8 +189,12 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             if master:
                 call.param_outs.append(p)
             call.steps.append(s["step"])
+            call.param_ids.append(position)
+            call.param_offsets.append(element_offset(p))
             call.shapes.append(p.shape)
             call.strides.append(layout_strides(p) if viewed else p.stride())
+    for call in calls.values():
+        call.exp_avg_scales, call.exp_avg_sq_scales = MomentState.scales(call.entries)
     if eager:
         for call in calls.values():
             call.step_storage = torch.stack(call.steps).to(torch.float32)
@@ -211,7 +227,7 @@ class ShardedCall(Call):
     def of(cls, call: Call) -> ShardedCall:
         sharded = cls(**{f.name: getattr(call, f.name) for f in fields(Call)})
         sharded.held = call.state_lists()
-        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs"):
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs", "exp_avg_scales", "exp_avg_sq_scales"):
             setattr(sharded, name, [dtensor.local(t) for t in getattr(call, name)])
         sharded.param_shards = list(map(_local, call.model_params))
         sharded.shapes = list(map(_shape, sharded.param_shards))

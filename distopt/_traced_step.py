@@ -51,9 +51,9 @@ class TracedStep:
         else:  # a number: a constant, or after Dynamo has seen it change, a symbolic float
             lr = torch.full((), lr, dtype=torch.float32, device=self._device)
         for key, entries in self._buckets(params, grads, eager=False).items():
-            steps = [s["step"] for _, _, s in entries]
+            steps = [e[2]["step"] for e in entries]
             count_step(steps, found_inf)
-            lists, staged = self._lists(entries, key)
+            lists, staged = self._lists(entries, key, group)
             ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             views.write_back(staged)
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from . import _kernel_views as views
 from . import _step_plan, dtensor, ops
 from ._host_step import STATE_TENSORS, HostStep
+from ._moment_state import MomentState, element_offset
 from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._traced_step import TracedStep
 from ._validation import (
@@ -23,11 +24,12 @@ from ._validation import (
     weight_decay_mode,
 )
 from .grad_scaling import GradScaling, count_step
+from .moment_formats import ABSMAX_KEYS, MomentFormats, saved_seeds
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
-_PICKLED = ("master_weights", "capturable", "offload_optimizer", "_device", "_inv_scale", "_clip_coef", "_found_inf",
-            "_scaling")
+_PICKLED = ("master_weights", "capturable", "offload_optimizer", "_moments", "_device", "_inv_scale", "_clip_coef",
+            "_found_inf", "_scaling")
 _TRANSIENT = ("_scaler", "_graph_lrs", "_plan", "_host")
 
 
@@ -45,9 +47,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         (``torch.optim.Adam``). Giving both with different values raises ValueError. Per group.
       foreach, fused: accepted (None, True or False) and change nothing: the update is always
         distopt's fused multi-tensor kernel.
-      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward). A
-        group whose option is changed to an unsupported value makes ``step()`` raise before anything
-        changes.
+      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward), also
+        when a group is changed to it later (``step()`` raises before anything changes).
       master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["param"]``;
         the update runs on the masters and writes the model params in the same pass. Off by default:
         16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).
@@ -62,6 +63,13 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         as ``master_weights=True`` on the device) and copies the new params back (distopt/_host_step.py).
         Not with ``capturable`` (ValueError). Under torch.compile the step runs eagerly (a graph break
         at ``step``; ``fullgraph=True`` raises).
+      exp_avg_dtype, exp_avg_sq_dtype: the moments' storage (Transformer Engine's names): torch.float32
+        (default), torch.bfloat16, or torch.uint8: 8-bit blockwise as bitsandbytes/torchao's (dynamic-map
+        codes, one fp32 absmax per 256 elements in ``state[p]["exp_avg_absmax"]``/``"exp_avg_sq_absmax"``;
+        params under 4,096 elements keep fp32), not TE's uint8 (fp8 E4M3 values, one scale per tensor).
+      stochastic_rounding: every store to bf16 (bf16 moments; bf16 params without master weights, which
+        then train unbiasedly) rounds stochastically, keyed by ``group["rounding_seed"]`` (saved in state
+        dicts): reproducible. Both: distopt/_moment_state.py (DTensors; state dicts, AdamW's fp32 format).
 
     The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state
     step does no Python work per param, only whole-list checks that the gradients are as planned;
@@ -116,6 +124,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         adam_w_mode: bool | None = None,
         master_weights: bool = False,
         offload_optimizer: bool = False,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = False,
     ) -> None:
         if offload_optimizer and capturable:
             raise ValueError("FusedAdam: offload_optimizer=True cannot be capturable (a CUDA graph cannot "
@@ -126,6 +137,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=mode, adam_w_mode=mode)
         check_adamw_options(defaults, "FusedAdam: ")
+        formats = MomentFormats(exp_avg_dtype, exp_avg_sq_dtype, stochastic_rounding)  # checked: clear errors
+        self._moments = MomentState(formats, offload_optimizer)  # distopt/_moment_state.py
+        defaults.update(self._moments.defaults())  # the rounding seed (param groups carry it into state dicts)
         self.master_weights = master_weights
         self.capturable = capturable
         self.offload_optimizer = bool(offload_optimizer)
@@ -139,6 +153,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def _check_params(self, params: list[Tensor]) -> None:
         self._device = check_param_tensors(params, "FusedAdam", views=True) or torch.device("cpu")
         dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
+        self._moments.check_params(self.param_groups, master_weights=self.master_weights)
         if self.capturable and self._device.type != "cuda":
             raise ValueError(
                 f"FusedAdam(capturable=True) needs CUDA params (CUDA-graph capture), got params on {self._device}"
@@ -199,8 +214,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                 state.update(self._host_step().new_state(p))
                 return state
             # Made on a DTensor param's local shard (no DTensor dispatch), then wrapped like the param.
-            state["exp_avg"] = dtensor.like_param(p, lambda t: views.state_like(t).zero_())
-            state["exp_avg_sq"] = dtensor.like_param(p, lambda t: views.state_like(t).zero_())
+            state.update(self._moments.new_moments(p))  # in their formats (distopt/_moment_state.py)
             if self._uses_master(p):
                 state["param"] = dtensor.like_param(p, lambda t: views.state_like(t).copy_(t.detach()))
         return state
@@ -260,12 +274,12 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes of the per-param state by category (``master``, ``moments``, ``staging``: offload's host
         copies), with ``device`` and ``host`` totals (offload: all of it is host memory) and ``total``."""
-        sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in STATE_TENSORS}
-        report = {"master": sizes["param"], "moments": sizes["exp_avg"] + sizes["exp_avg_sq"],
+        keys = STATE_TENSORS + tuple(ABSMAX_KEYS.values())  # moments: 8-bit ones' codes and absmax scales
+        sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in keys}
+        report = {"master": sizes["param"], "moments": sum(sizes[k] for k in keys if k != "param"),
                   "staging": self._host.staging_bytes() if self._host is not None else 0}
-        total = sum(report.values())
-        return {**report, "device": 0 if self.offload_optimizer else total,
-                "host": total if self.offload_optimizer else 0, "total": total}
+        total, off = sum(report.values()), self.offload_optimizer
+        return {**report, "device": 0 if off else total, "host": total if off else 0, "total": total}
 
     def _check_groups(self) -> None:
         for index, group in enumerate(self.param_groups):
@@ -307,6 +321,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         staged = ()
         if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/_kernel_views.py)
             lists, staged = views.kernel_lists(**lists)
+        lists.update(self._moments.call_kwargs(call.exp_avg_scales, call.exp_avg_sq_scales, call.param_ids,
+                                               call.param_offsets, group))
         if self.capturable:
             lr = self._capturable_lr(call.group)
             count_step(call.steps, found_inf)
@@ -330,6 +346,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             # Also params put into param_groups after construction (accelerate's FSDP2 preparation swaps the
             # DTensors in), which add_param_group never saw.
             dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
+            self._moments.check_params([dict(params=params)], master_weights=None)  # (a step's params only)
             work.append((group, params, [self._check_grad(p) for p in params]))
             dtensor.check_states(params, self.state)
         return work
@@ -384,44 +401,45 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                     adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)
 
-    def _buckets(self, params, grads, eager: bool) -> dict[tuple, list[tuple[Tensor, Tensor, dict]]]:
-        """(param, grad, state) entries per kernel call: one per combination of dtypes and of whether the
-        params need views (and, in eager mode, of step number, which the eager op takes as a number)."""
-        buckets: dict[tuple, list[tuple[Tensor, Tensor, dict]]] = defaultdict(list)
+    def _buckets(self, params, grads, eager: bool) -> dict[tuple, list[tuple]]:
+        """(param, grad, state, (position in param_groups, element offset)) per kernel call: one per dtypes
+        (moments' too), need of views (and eager: step number, which the eager op takes as a number)."""
+        positions = {id(q): i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
+        buckets: dict[tuple, list[tuple]] = defaultdict(list)
         for p, g in zip(params, grads):
+            where = (positions[id(p)], element_offset(p))
             p, g, state = dtensor.local_entry(p, g, self._init_state(p))  # a DTensor param's: its local shards
-            key = (p.dtype, g.dtype, "param" in state, views.needs_view(p))
+            key = (p.dtype, g.dtype, "param" in state, views.needs_view(p), state["exp_avg"].dtype,
+                   state["exp_avg_sq"].dtype)
             if eager:
                 key += (int(state["step"].item()),)
-            buckets[key].append((p, g, state))
+            buckets[key].append((p, g, state, where))
         return buckets
 
-    @staticmethod
-    def _lists(entries: list[tuple[Tensor, Tensor, dict]], key: tuple) -> tuple[dict[str, Any], list]:
-        """The kernel's lists for one bucket, and what to write back after it (params that need views:
-        distopt/_kernel_views.py)."""
+    def _lists(self, entries: list[tuple], key: tuple, group: dict) -> tuple[dict[str, Any], list]:
+        """The kernel's lists for one bucket (moment formats' arguments too), and what to write back after it."""
         has_master = key[2]
-        states = [s for _, _, s in entries]
-        lists = dict(
-            params=[s["param"] if has_master else p for p, _, s in entries],
-            grads=[g for _, g, _ in entries],
-            exp_avgs=[s["exp_avg"] for s in states],
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
-            param_outs=[p for p, _, _ in entries] if has_master else (),
-        )
-        return views.kernel_lists(**lists) if key[3] else (lists, ())
+        states = [e[2] for e in entries]
+        lists = dict(params=[s["param"] if has_master else e[0] for e, s in zip(entries, states)],
+                     grads=[e[1] for e in entries], exp_avgs=[s["exp_avg"] for s in states],
+                     exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+                     param_outs=[e[0] for e in entries] if has_master else ())
+        lists, staged = views.kernel_lists(**lists) if key[3] else (lists, ())
+        lists.update(self._moments.call_kwargs(*MomentState.scales(states), [e[3][0] for e in entries],
+                                               [e[3][1] for e in entries], group))
+        return lists, staged
 
     def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
         hyper = self._hyper(group, grad_scale)
         for key, entries in self._buckets(params, grads, eager=not self.capturable).items():
-            lists, staged = self._lists(entries, key)
-            steps = [s["step"] for _, _, s in entries]
+            lists, staged = self._lists(entries, key, group)
+            steps = [e[2]["step"] for e in entries]
             if self.capturable:
                 lr = self._capturable_lr(index)
                 count_step(steps, found_inf)
                 ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
             else:
-                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[4] + 1, **hyper)
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[-1] + 1, **hyper)
                 torch._foreach_add_(steps, 1)
             views.write_back(staged)
 
@@ -450,6 +468,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         for key in _TRANSIENT:
             self.__dict__.setdefault(key, None)
         self.__dict__.setdefault("_plan_epoch", 0)
+        self.__dict__.setdefault("_moments", MomentState(MomentFormats()))  # pickled before the formats existed
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -466,11 +485,16 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = saved_state_by_param(self.param_groups, state_dict, "FusedAdam.load_state_dict")
+        seeds = saved_seeds(state_dict["param_groups"])
         step_device = self._device if self.capturable else torch.device("cpu")
-        self.state = defaultdict(dict, {p: convert_param_state(p, s, master=self._uses_master(p), new=self._fp32_like,
-                                                               step_device=step_device) for p, s in saved})
+        # Moments saved in any format: read as fp32, stored in this optimizer's (the saved bits where they
+        # are in it already), all before anything is replaced (distopt/_moment_state.py).
+        self.state = defaultdict(dict, {p: self._moments.stored(p, convert_param_state(
+            p, self._moments.saved_as_float32(p, s), master=self._uses_master(p), new=self._fp32_like,
+            step_device=step_device), s) for p, s in saved})
         self._plan_epoch += 1
         if self.capturable:  # a float set after construction becomes the device tensor first
             for group in self.param_groups:
                 group["lr"] = self._device_lr(group["lr"], self._device)
         restore_hyperparameters(self.param_groups, state_dict["param_groups"])
+        self._moments.formats.restore_seeds(self.param_groups, seeds)

@@ -35,7 +35,8 @@ _SCHEMAS = {
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] param_outs, Tensor(e!)[] param_remainders, Tensor lr, Tensor[] steps, float beta1, "
         "float beta2, float eps, float weight_decay, bool adam_w_mode, bool maximize, Tensor? grad_scale, "
-        "Tensor? found_inf) -> ()"
+        "Tensor? found_inf, Tensor(f!)[] exp_avg_scales, Tensor(g!)[] exp_avg_sq_scales, int? rounding_seed=None, "
+        "int[] param_ids=[], int[] param_offsets=[]) -> ()"
     ),
     "l2norm": "(Tensor[] tensors, Tensor(a!)? found_inf) -> (Tensor, Tensor)",
     "scale_": "(Tensor[] inputs, Tensor(a!)[] outputs, Tensor scale, Tensor(b!)? found_inf) -> ()",
@@ -152,22 +153,57 @@ def adam_step_(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
     maximize: bool = False,
+    exp_avg_scales: Sequence[Tensor] = (),
+    exp_avg_sq_scales: Sequence[Tensor] = (),
+    rounding_seed: int | None = None,
+    param_ids: Sequence[int] = (),
+    param_offsets: Sequence[int] = (),
 ) -> None:
     """One fused Adam/AdamW update of every tensor, in place.
 
     ``g = grad * grad_scale``, negated with ``maximize`` (ascend the objective, as torch's
     ``maximize=True``); Adam (L2 decay added to g) or AdamW (decoupled decay); bias correction
     for ``step`` (this update's number, >= 1). Writes params (fp32/fp16/bf16), exp_avgs and
-    exp_avg_sqs (fp32), and, if given, ``param_outs`` (a copy in any float dtype, e.g. the bf16 model
+    exp_avg_sqs, and, if given, ``param_outs`` (a copy in any float dtype, e.g. the bf16 model
     params of fp32 masters; entries aliasing their param are skipped). With ``param_remainders``
     (int16), params are bf16 high halves of fp32 masters whose low halves are the remainders. Math is
-    fp32. If ``found_inf`` is nonzero nothing is written.
+    fp32. If ``found_inf`` is nonzero nothing is written (params, moments, scales: all keep their bits).
 
     ``lr`` and ``step`` are numbers (read now: an eager step) or float32 one-element tensors on the
     params' device, read by the kernel with no host sync (a capturable step: a CUDA graph that captured
     the op replays with the values they hold then). ``step`` may also be one such tensor per param (the
     same tensor may appear for many); they already count this update (the caller increments them by
     ``1 - found_inf``). A one-element CPU tensor is read now, like a number.
+
+    Moment formats (csrc/math/state_format.h, Note [State formats]), chosen by the dtype of each list
+    (one dtype per list; exp_avgs and exp_avg_sqs may differ):
+
+    * ``torch.float32``: as is (no scales);
+    * ``torch.bfloat16``: read exactly, stored rounded to nearest even (or stochastically, below);
+    * ``torch.uint8``: 8-bit blockwise. Codes of bitsandbytes' dynamic map (signed for exp_avgs,
+      unsigned for exp_avg_sqs) and one float32 absmax per 256 elements: ``exp_avg_scales[i]`` (resp.
+      ``exp_avg_sq_scales[i]``) is a contiguous float32 tensor of ``ceil(numel / 256)`` elements, blocks
+      counted from the entry's first element in memory order (the order every list is walked in: the
+      logical order for contiguous entries). A value is read as ``map[code] * absmax`` and stored as
+      the code nearest to ``value * (1 / absmax)`` (the new absmax: the block's largest magnitude). The
+      scales lists are empty for the other formats. ``state_formats.quantize_blockwise`` and
+      ``state_formats.dequantize_blockwise`` convert to and from fp32 with the kernel's arithmetic, bit for
+      bit (for checkpoints); ``state_formats.dynamic_map`` is the map.
+
+    An entry that is a slice of a larger param (a shard) must start at a multiple of 256 elements of the
+    param for its 8-bit blocks to be the param's blocks: with 8-bit moments, ``param_offsets`` must be
+    multiples of 256.
+
+    Stochastic rounding: with ``rounding_seed`` (any int64), every store to bf16 (bf16 moments, and bf16
+    params without remainders) rounds up or down with probability proportional to the distance, so the
+    stored value is unbiased (8-bit codes and fp16 stores stay round-to-nearest; param_outs receive the
+    param's rounded value). The random bits come from Philox4x32-10 keyed by (``rounding_seed``, step,
+    ``param_ids[i]``, element index), where the element index counts from the param's first element (in
+    memory order): ``param_offsets[i]`` (default 0) is the entry's first element within its param. So the bits are the
+    same on CPU and CUDA, for any thread count, launch split, bucket layout or world size, and after a
+    resume that restores the seed and step. ``param_ids`` (one per entry, 0 <= id < 2**32) is then
+    required; a param split over several entries (shards, buckets) keeps one id. Without a seed every
+    store rounds to nearest and ``param_ids``/``param_offsets`` are only checked.
     """
     if not params:
         return
@@ -182,6 +218,7 @@ def adam_step_(
     torch.ops.distopt.adam_step_(
         params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, steps,
         beta1, beta2, eps, weight_decay, adam_w_mode, maximize, grad_scale, found_inf,
+        exp_avg_scales, exp_avg_sq_scales, rounding_seed, list(param_ids), list(param_offsets),
     )  # fmt: skip
 
 

@@ -2,8 +2,10 @@
 
 Signatures match the op schemas in ``ops.py``. The Adam update and the norms are computed in float64
 and rounded once into each output; scaling and casting compute the same fp32 product as the kernels,
-so they match them bit for bit. Nothing here synchronises with the host: the skip flag is applied with
-``torch.where``, so a skipped update rewrites every output with its old bits.
+so they match them bit for bit. Low-precision moments are read and stored with the kernels' own
+arithmetic (``state_formats.py``): only the update between them is float64. Nothing here synchronises
+with the host: the skip flag is applied with ``torch.where``, so a skipped update rewrites every output
+with its old bits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from . import state_formats as sf
 
 _INT16_MASK = 0xFFFF
 
@@ -47,6 +51,35 @@ def split_bf16_remainder(x: Tensor) -> tuple[Tensor, Tensor]:
     return hi_signed.to(torch.int16).view(torch.bfloat16), lo_signed.to(torch.int16)
 
 
+def _memory_order(t: Tensor) -> Tensor:
+    """``t``'s elements as a 1-D view in memory order: the order in which the kernels walk a dense tensor,
+    count its 8-bit blocks and number its elements for stochastic rounding."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not t.is_non_overlapping_and_dense():
+        raise ValueError("low-precision moments and stochastic rounding need dense tensors")
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _read_moment(x: Tensor, scales: Sequence[Tensor], i: int, signed: bool) -> Tensor:
+    if x.dtype == torch.uint8:
+        return sf.dequantize_blockwise(x, scales[i], signed).double()
+    return x.double()
+
+
+def _write_moment(x: Tensor, scales: Sequence[Tensor], i: int, value: Tensor, signed: bool, skip: Tensor,
+                  random: Tensor | None) -> None:
+    """Stores the fp32 ``value`` in ``x``'s format (8-bit: codes and scales[i]), unless skip."""
+    if x.dtype == torch.uint8:
+        codes, absmax = sf.quantize_blockwise(value, signed)
+        _write(x, codes.view(x.shape), skip)
+        _write(scales[i], absmax, skip)
+    elif x.dtype == torch.bfloat16 and random is not None:
+        _write(x, sf.bf16_stochastic(value, random), skip)
+    else:
+        _write(x, value, skip)
+
+
 def _adam(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -64,6 +97,9 @@ def _adam(
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
     maximize: bool,
+    exp_avg_scales: Sequence[Tensor] = (),
+    exp_avg_sq_scales: Sequence[Tensor] = (),
+    rounding: sf.RoundingKeys | None = None,
 ) -> None:
     if not params:
         return
@@ -71,9 +107,16 @@ def _adam(
     skip = _skip_mask(found_inf, device)
     scale = grad_scale.double().reshape(()) if grad_scale is not None else 1.0
     lr64 = lr.double().reshape(()) if isinstance(lr, Tensor) else lr
+    flat = rounding is not None or any(x[0].dtype != torch.float32 for x in (exp_avgs, exp_avg_sqs))
+    if flat:  # blocks and rounding indices count elements in memory order
+        lists = (params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders)
+        params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders = (
+            [_memory_order(t) for t in lst] for lst in lists
+        )
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         step = steps[i]
         step64 = step.double().reshape(()) if isinstance(step, Tensor) else float(step)
+        words = rounding.words(i, step, p.numel(), p.device) if rounding is not None else None
         if param_remainders:
             p64 = join_bf16_remainder(p, param_remainders[i]).double()
         else:
@@ -83,8 +126,8 @@ def _adam(
             g64 = -g64
         if not adam_w_mode and weight_decay != 0:
             g64 = g64 + weight_decay * p64
-        m64 = m.double() * beta1 + (1 - beta1) * g64
-        v64 = v.double() * beta2 + (1 - beta2) * g64 * g64
+        m64 = _read_moment(m, exp_avg_scales, i, True) * beta1 + (1 - beta1) * g64
+        v64 = _read_moment(v, exp_avg_sq_scales, i, False) * beta2 + (1 - beta2) * g64 * g64
         if adam_w_mode:
             p64 = p64 * (1 - lr64 * weight_decay)
         bias_correction1 = 1 - beta1**step64
@@ -92,12 +135,15 @@ def _adam(
         denom = v64.sqrt() / (bias_correction2**0.5) + eps
         p64 = p64 - (lr64 / bias_correction1) * m64 / denom
 
-        _write(m, m64, skip)
-        _write(v, v64, skip)
+        _write_moment(m, exp_avg_scales, i, m64.float(), True, skip, None if words is None else words[1])
+        _write_moment(v, exp_avg_sq_scales, i, v64.float(), False, skip, None if words is None else words[2])
         if param_remainders:
             hi, lo = split_bf16_remainder(p64.float())
             _write(p, hi, skip)
             _write(param_remainders[i], lo, skip)
+        elif p.dtype == torch.bfloat16 and words is not None:
+            p64 = sf.bf16_stochastic(p64.float(), words[0]).double()  # param_outs get the rounded value
+            _write(p, p64, skip)
         else:
             _write(p, p64, skip)
         if param_outs and param_outs[i].data_ptr() != p.data_ptr():
@@ -121,12 +167,23 @@ def adam_step_(
     maximize: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    exp_avg_scales: Sequence[Tensor] = (),
+    exp_avg_sq_scales: Sequence[Tensor] = (),
+    rounding_seed: int | None = None,
+    param_ids: Sequence[int] = (),
+    param_offsets: Sequence[int] = (),
 ) -> None:
     if len(steps) not in (1, len(params)):
         raise ValueError(f"steps: expected one step tensor, or one per param ({len(params)}), got {len(steps)}")
     per_param = list(steps) if len(steps) == len(params) else [steps[0]] * len(params)
+    rounding = None
+    if rounding_seed is not None:
+        if len(param_ids) != len(params):
+            raise ValueError(f"stochastic rounding (a rounding seed) needs param_ids: one id per param ({len(params)})")
+        rounding = sf.RoundingKeys(rounding_seed, list(param_ids), list(param_offsets) or [0] * len(params))
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
-          weight_decay, per_param, adam_w_mode, grad_scale, found_inf, maximize)
+          weight_decay, per_param, adam_w_mode, grad_scale, found_inf, maximize, exp_avg_scales,
+          exp_avg_sq_scales, rounding)
 
 
 def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:

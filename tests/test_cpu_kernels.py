@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from distopt import ops
+from distopt import ops, state_formats
 
 from cpu_paths import ISAS, RUNS, compiled_cpu_kernels, threads_and_isa  # noqa: F401 (a fixture)
 from op_helpers import (
@@ -193,6 +193,45 @@ def test_adam_threaded_equals_per_tensor_calls():
         for i in range(len(SIZES)):
             run_adam(alone.select([i]), step=4)
     assert_adam_bits_equal(together, alone)
+
+
+STATE_FORMATS = [(torch.uint8, torch.uint8), (BF16, torch.uint8), (torch.uint8, FP32), (BF16, BF16)]
+
+
+@pytest.mark.parametrize("m_dtype,v_dtype", STATE_FORMATS, ids=lambda d: str(d).removeprefix("torch."))
+def test_adam_states_bits_independent_of_threads_and_isa(m_dtype, v_dtype):
+    """bf16/8-bit moments (codes, absmax and moments at odd offsets) with stochastic rounding of bf16 params:
+    ranges are whole 256-element blocks and the Philox words depend on the element only, so every thread
+    count and ISA path (the 8-bit loops have hand-written AVX-512 versions) stores the same bits."""
+    torch.manual_seed(5)
+    base = make_adam_state(SIZES, BF16, FP32, FP16)
+    poison(base.grads[-5:-3])
+
+    def stored(values: Tensor, dtype: torch.dtype, signed: bool) -> tuple[Tensor, Tensor]:
+        if dtype == torch.uint8:
+            return state_formats.quantize_blockwise(values, signed)
+        return values.to(dtype), torch.zeros(0)
+
+    moments = [[stored(t, m_dtype, True) for t in base.exp_avgs], [stored(t, v_dtype, False) for t in base.exp_avg_sqs]]
+
+    def make() -> tuple[AdamState, list[list[Tensor]]]:
+        state = offset_state(base)
+        state.exp_avgs, state.exp_avg_sqs = ([at_offset(x, 3) for x, _ in lst] for lst in moments)
+        scales = [[at_offset(a, 1) for _, a in lst] if lst[0][0].dtype == torch.uint8 else [] for lst in moments]
+        return state, scales
+
+    def op(args) -> list[Tensor]:
+        state, (m_scales, v_scales) = args
+        ops.adam_step_(
+            state.params, state.grads, state.exp_avgs, state.exp_avg_sqs, param_outs=state.param_outs, lr=1e-2,
+            step=7, grad_scale=scalar(0.37), exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales,
+            rounding_seed=99, param_ids=list(range(len(SIZES))),
+        )  # fmt: skip
+        for lst in (*state.written().values(), m_scales, v_scales):
+            guards_intact(lst)
+        return [*state.all_tensors(), *m_scales, *v_scales]
+
+    run_everywhere(make, op)
 
 
 # ----------------------------------------------------------------------------------------------------

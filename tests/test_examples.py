@@ -157,3 +157,38 @@ def test_bmuf_mode_counts_what_it_all_reduces():
     bmuf, ddp = map(float, counted.groups())
     assert 1.99 < ddp / bmuf <= 2.0, out  # every param (and a 64-byte check) once per 2 steps vs every grad every step
     assert re.search(r"^PASS: BMUF's final validation loss", out, re.MULTILINE), out
+
+
+def test_low_precision_state_options(monkeypatch, capsys):
+    import lowprec_mode
+
+    monkeypatch.setattr(train, "TORCHRUN", False)
+    args = train.parse_args([])
+    assert not lowprec_mode.active(args) and lowprec_mode.optimizer_options(args) == {}  # the job unchanged
+    args = train.parse_args(["--exp-avg-dtype", "uint8", "--exp-avg-sq-dtype", "bfloat16", "--stochastic-rounding"])
+    assert lowprec_mode.optimizer_options(args) == dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.bfloat16,
+                                                        stochastic_rounding=True)
+    lines = []
+    assert lowprec_mode.verdict(lines.append, args, {"distopt": 2.03, "DDP": 2.0})
+    assert not lowprec_mode.verdict(lines.append, args, {"distopt": 2.06, "DDP": 2.0})  # 0.06 > 0.05
+    assert lines[1].startswith("PASS") and lines[3].startswith("FAIL"), lines
+    for argv, message in ((["--exp-avg-dtype", "float16"], "invalid choice"),
+                          (["--stochastic-rounding", "--offload"], "do not combine with --offload"),
+                          (["--loss-tolerance", "0"], "--loss-tolerance must be positive")):
+        with pytest.raises(SystemExit) as exc:
+            train.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_train_example_with_8bit_state_passes_on_the_loss():
+    import inspect
+
+    from distopt import DistributedFusedAdam
+
+    if "exp_avg_dtype" not in inspect.signature(DistributedFusedAdam).parameters:
+        pytest.skip("this DistributedFusedAdam has no low-precision moments")
+    result = subprocess.run([sys.executable, TRAIN, *SMALL, "--exp-avg-dtype", "uint8", "--exp-avg-sq-dtype", "uint8"],
+                            capture_output=True, text=True, timeout=300, env=without_torchrun())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "distopt state: exp_avg uint8, exp_avg_sq uint8" in result.stdout
+    assert re.search(r"PASS: distopt's final validation loss", result.stdout), result.stdout

@@ -6,13 +6,13 @@ params not dense in memory among the others (distopt/_kernel_views.py)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
 
 from distopt import FusedAdam
+
+from call_count import python_calls
 
 
 def make_params() -> list[nn.Parameter]:
@@ -165,18 +165,7 @@ def python_calls_per_step(count: int, planned: bool = True, extra: list[nn.Param
         for p in params:
             p.grad = torch.randn(p.shape, dtype=p.dtype)
         opt.step()
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        opt.step()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return python_calls(opt.step)
 
 
 def test_steady_state_does_no_python_work_per_param():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from distopt import ops
+from distopt import ops, state_formats
 
 from op_helpers import (
     BF16,
@@ -96,9 +96,9 @@ BAD_ADAM_CALLS = [
     ("grads_mixed_dtypes", _replace("grads", 1, lambda t: t.bfloat16()), ValueError, r"grads\[1\]: dtype"),
     ("param_outs_mixed_dtypes", _replace("param_outs", 1, lambda t: t.half()), ValueError, r"param_outs\[1\]"),
     ("exp_avg_fp16", lambda c: {**c, "exp_avgs": [t.half() for t in c["exp_avgs"]]}, ValueError,
-     "exp_avgs: expected fp32"),
-    ("exp_avg_sq_bf16", lambda c: {**c, "exp_avg_sqs": [t.bfloat16() for t in c["exp_avg_sqs"]]}, ValueError,
-     "exp_avg_sqs: expected fp32"),
+     "exp_avgs: expected fp32, bf16 or uint8"),
+    ("exp_avg_sq_int16", lambda c: {**c, "exp_avg_sqs": [t.to(INT16) for t in c["exp_avg_sqs"]]}, ValueError,
+     "exp_avg_sqs: expected fp32, bf16 or uint8"),
     ("remainders_with_fp32_params",
      lambda c: {**c, "param_remainders": [torch.ones_like(p, dtype=INT16) for p in c["params"]]}, ValueError,
      "param_remainders pair with bfloat16"),
@@ -128,6 +128,57 @@ BAD_ADAM_CALLS = [
 def test_adam_bad_input_raises_before_writing(mutate, exc, match):
     """Invalid arguments raise a clear error and leave every tensor untouched."""
     call = mutate(valid_adam_call())
+    snap = snapshot(call)
+    with pytest.raises(exc, match=match):
+        ops.adam_step_(**call)
+    assert_unchanged(snap)
+
+
+def _states_call() -> dict:
+    """valid_adam_call with 8-bit exp_avgs (and their absmax), bf16 exp_avg_sqs and stochastic rounding."""
+    c = valid_adam_call()
+    m = [state_formats.quantize_blockwise(t, True) for t in c["exp_avgs"]]
+    return {**c, "exp_avgs": [q for q, _ in m], "exp_avg_scales": [a for _, a in m],
+            "exp_avg_sqs": [t.bfloat16() for t in c["exp_avg_sqs"]], "rounding_seed": 7, "param_ids": [0, 1]}
+
+
+def _states(**changes) -> Callable[[dict], dict]:
+    return lambda c: {**_states_call(), **changes}
+
+
+BAD_STATES_CALLS = [
+    ("params_uint8", lambda c: {**(s := _states_call()), "params": [p.to(torch.uint8) for p in s["params"]]},
+     ValueError, "params: expected float"),
+    ("param_outs_uint8", lambda c: {**(s := _states_call()), "param_outs": [p.to(torch.uint8) for p in s["params"]]},
+     ValueError, "param_outs: expected float"),
+    ("exp_avgs_mixed_formats", lambda c: {**(s := _states_call()), "exp_avgs": [s["exp_avgs"][0], torch.zeros(3)]},
+     ValueError, r"exp_avgs\[1\]: dtype"),
+    ("no_scales", _states(exp_avg_scales=[]), ValueError, "exp_avg_scales: expected one absmax tensor per entry"),
+    ("scales_too_long", lambda c: {**(s := _states_call()), "exp_avg_scales": s["exp_avg_scales"] * 2}, ValueError,
+     "exp_avg_scales: expected one absmax tensor per entry"),
+    ("scales_wrong_numel", _states(exp_avg_scales=[torch.ones(2), torch.ones(1)]), ValueError,
+     r"exp_avg_scales\[0\]: expected 1 contiguous elements"),
+    ("scales_fp16", _states(exp_avg_scales=[torch.ones(1, dtype=FP16)] * 2), ValueError,
+     r"exp_avg_scales\[0\]: expected float32"),
+    ("scales_for_bf16_moments", _states(exp_avg_sq_scales=[torch.ones(1), torch.ones(1)]), ValueError,
+     "exp_avg_sq_scales: only 8-bit"),
+    ("scales_alias", lambda c: {**(s := _states_call()), "exp_avg_sqs": [torch.zeros(5, dtype=torch.uint8),
+     torch.zeros(3, dtype=torch.uint8)], "exp_avg_sq_scales": s["exp_avg_scales"]}, ValueError, "must not alias"),
+    ("rounding_without_param_ids", _states(param_ids=[]), ValueError, "needs param_ids"),
+    ("param_ids_too_short", _states(param_ids=[0]), ValueError, "param_ids: expected one id per param"),
+    ("param_id_negative", _states(param_ids=[0, -1]), ValueError, r"param_ids\[1\] must be in \[0, 2\^32\)"),
+    ("param_id_too_large", _states(param_ids=[2**32, 0]), ValueError, r"param_ids\[0\] must be in"),
+    ("param_offsets_too_long", _states(param_offsets=[0, 0, 0]), ValueError, "param_offsets: expected one offset"),
+    ("param_offset_negative", _states(param_offsets=[0, -256]), ValueError, r"param_offsets\[1\] must be >= 0"),
+    ("param_offset_inside_a_block", _states(param_offsets=[0, 100]), ValueError, "multiple of 256"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate,exc,match", [pytest.param(*c[1:], id=c[0]) for c in BAD_STATES_CALLS])
+def test_adam_states_bad_input_raises_before_writing(mutate, exc, match):
+    """Invalid low-precision moments, scales or rounding keys raise a clear error, nothing written."""
+    ops.adam_step_(**_states_call())  # the valid call runs
+    call = mutate(None)
     snap = snapshot(call)
     with pytest.raises(exc, match=match):
         ops.adam_step_(**call)
@@ -272,17 +323,30 @@ def _opcheck_adam(remainders: bool, out_dtype, maximize: bool = False):
     """Positional args with lr and step as CPU float64 scalars (read when the op runs)."""
     s = make_adam_state([5, 3], BF16 if remainders else FP32, FP16, out_dtype, remainders=remainders)
     lr, steps = scalar(1e-3, dtype=torch.float64), [scalar(3.0, dtype=torch.float64)]
-    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, True, maximize, scalar(0.5), scalar(0.0))
+    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, True, maximize, scalar(0.5), scalar(0.0), [], [])
 
 
 def _opcheck_device_scalars(maximize: bool = False):
     """Positional args with lr and one float32 step per param, read by the kernel."""
     s = make_adam_state([5, 3], FP32, BF16, FP16)
     lr, steps = scalar(1e-3), [scalar(2.0), scalar(4.0)]
-    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, False, maximize, scalar(0.5), scalar(0.0))
+    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, False, maximize, scalar(0.5), scalar(0.0), [], [])
+
+
+def _opcheck_states(capturable: bool):
+    """8-bit exp_avgs, bf16 exp_avg_sqs, stochastic rounding of bf16 params, eager or device scalars."""
+    s = make_adam_state([300, 3], BF16, FP32, FP32)
+    m = [state_formats.quantize_blockwise(t, True) for t in s.exp_avgs]
+    s.exp_avgs, s.exp_avg_sqs = [q for q, _ in m], [t.bfloat16() for t in s.exp_avg_sqs]
+    lr, steps = (scalar(1e-3), [scalar(2.0), scalar(4.0)]) if capturable else (
+        scalar(1e-3, dtype=torch.float64), [scalar(3.0, dtype=torch.float64)])  # fmt: skip
+    return (*s.lists(), lr, steps, 0.9, 0.999, 1e-8, 0.1, True, False, scalar(0.5), scalar(0.0),
+            [a for _, a in m], [], 5, [0, 1], [0, 256])  # fmt: skip
 
 
 OPCHECK_CASES = {
+    "adam_step_-states": lambda: _opcheck_states(False),
+    "adam_step_-states-device_scalars": lambda: _opcheck_states(True),
     "adam_step_": lambda: _opcheck_adam(False, BF16),
     "adam_step_-no_param_outs": lambda: _opcheck_adam(False, None),
     "adam_step_-remainders": lambda: _opcheck_adam(True, FP32),

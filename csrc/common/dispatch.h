@@ -30,6 +30,7 @@ inline const char* dtype_name(DType d) {
     case DType::Float16: return "float16";
     case DType::BFloat16: return "bfloat16";
     case DType::Int16: return "int16";
+    case DType::UInt8: return "uint8";
   }
   return "unknown";
 }

@@ -20,6 +20,13 @@
 #define DISTOPT_HD inline
 #endif
 
+// `#pragma unroll` for the device compiler only (host compilers warn about it, and unroll on their own).
+#if defined(__CUDA_ARCH__)
+#define DISTOPT_UNROLL _Pragma("unroll")
+#else
+#define DISTOPT_UNROLL
+#endif
+
 namespace distopt {
 
 using half_t = c10::Half;
@@ -104,8 +111,9 @@ DISTOPT_HD float float_from_half_bits(uint16_t h) {
 }
 
 // The element types the kernels accept. Int16 only appears as the remainder half of a
-// bf16 + int16 split fp32 master param (see math/adam.h).
-enum class DType : uint8_t { Float32, Float16, BFloat16, Int16 };
+// bf16 + int16 split fp32 master param (see math/adam.h), UInt8 as 8-bit moment codes
+// (math/state_format.h).
+enum class DType : uint8_t { Float32, Float16, BFloat16, Int16, UInt8 };
 
 // A list of same-dtype tensors: one data pointer each (nullptr = "absent for this entry") and a
 // shared element count list owned by the caller (TensorLists::numel).

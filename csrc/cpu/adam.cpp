@@ -1,13 +1,14 @@
-// CPU traversal of the fused Adam update: the shared per-element math (math/adam.h) in loops the
-// compiler vectorises (SSE2, or AVX2 chosen at run time: isa.h), spread over torch's threads by
-// element ranges (flat.h). The loop body has no branches and the lists never overlap (the binding
-// checks aliasing); its vector code does the scalar math's IEEE operations lane by lane (no FMA
-// contraction, IEEE sqrt and division; -fno-math-errno only drops sqrtf's errno branch), so neither
-// the ISA nor the thread count changes a bit (Note [Host/device bit-identity] in math/adam.h).
+// CPU traversal of the fused Adam update with fp32 moments: the loop of adam_loop.h, compiled for each
+// vector ISA (isa.h), spread over torch's threads by element ranges (flat.h). Its vector code does the
+// scalar math's IEEE operations lane by lane (no FMA contraction, IEEE sqrt and division;
+// -fno-math-errno only drops sqrtf's errno branch), so neither the ISA nor the thread count changes a
+// bit (Note [Host/device bit-identity] in math/adam.h). Low-precision moments and stochastic rounding:
+// adam_states.cpp.
 #include <vector>
 
 #include "../common/dispatch.h"
 #include "../kernels.h"
+#include "adam_loop.h"
 #include "flat.h"
 #include "isa.h"
 #include "parallel.h"
@@ -27,31 +28,6 @@ struct AdamCtx {
 
 template <typename P, typename G, typename O, bool kRem>
 struct AdamRange {
-  // Elements [0, n) of one tensor's lists (pointers already offset); O = NoList: no param_out.
-  static DISTOPT_ALWAYS_INLINE void piece(P* __restrict p, const G* __restrict g, float* __restrict m,
-                                          float* __restrict v, O* __restrict out, int16_t* __restrict rem,
-                                          int64_t n, const AdamCoeffs c, const float gf) {
-#pragma GCC ivdep
-    for (int64_t j = 0; j < n; ++j) {
-      float pj;
-      if constexpr (kRem) {
-        pj = join_bf16_remainder(p[j], rem[j]);
-      } else {
-        pj = to_float(p[j]);
-      }
-      float mj = m[j], vj = v[j];
-      adam_update(pj, to_float(g[j]) * gf, mj, vj, c);
-      m[j] = mj;
-      v[j] = vj;
-      if constexpr (kRem) {
-        split_bf16_remainder(pj, p[j], rem[j]);
-      } else {
-        p[j] = from_float<P>(pj);
-      }
-      if constexpr (is_present<O>) out[j] = from_float<O>(pj);
-    }
-  }
-
   // The flat elements [b, e) (see flat.h).
   static DISTOPT_ALWAYS_INLINE void run(const AdamCtx* ctx, int64_t b, int64_t e) {
     const TensorLists& tl = *ctx->tl;
@@ -75,12 +51,12 @@ struct AdamRange {
       if constexpr (is_present<O>) {
         auto* out = static_cast<O*>(tl.lists[kParamOut].data[i]);
         if (out != nullptr) {
-          piece(p, g, m, v, out + lo, rem, hi - lo, c, gf);
+          adam_piece<P, G, O, kRem>(p, g, m, v, out + lo, rem, hi - lo, c, gf);
           continue;
         }
       }
       // No param_outs, or this entry's param_out is the param itself.
-      AdamRange<P, G, NoList, kRem>::piece(p, g, m, v, nullptr, rem, hi - lo, c, gf);
+      adam_piece<P, G, NoList, kRem>(p, g, m, v, nullptr, rem, hi - lo, c, gf);
     }
   }
 };
@@ -89,6 +65,10 @@ struct AdamRange {
 
 void adam_cpu(const TensorLists& tl, const AdamArgs& args) {
   if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  if (!args.plain_states()) {
+    adam_states_cpu(tl, args);
+    return;
+  }
   AdamCtx ctx;
   ctx.tl = &tl;
   const std::vector<int64_t> offsets = flat_offsets(tl.numel);

@@ -28,6 +28,8 @@ struct AdamDeviceArgs {
 
 // adam_capturable.cu: the capturable variants, in their own translation unit.
 void launch_capturable(const TensorLists& tl, const AdamArgs& args, const AdamDeviceArgs& a, cudaStream_t s);
+// adam_states.cu: the low-precision-moment variants (adam_states_op.cuh), when !args.plain_states().
+void launch_states(const TensorLists& tl, const AdamArgs& args, const AdamDeviceArgs& a, cudaStream_t s);
 
 }  // namespace adam_detail
 

@@ -39,7 +39,7 @@ constexpr int kBlockSize = 512;
 // 65536 / (kBlockSize * kMinBlocksPerSM) = 64 per thread, so two blocks overlap their memory traffic.
 constexpr int kMinBlocksPerSM = 2;
 constexpr int64_t kChunkSize = 65536;
-constexpr int kMaxDepth = 7;
+constexpr int kMaxDepth = 11;  // the capturable low-precision-moment update (adam_states_op.cuh)
 constexpr int kOpArgBytes = 512;  // room left in the kernel parameters for the op's own arguments
 
 // Launch limits of one metadata size and depth.
@@ -55,9 +55,16 @@ constexpr MetaLimits small_limits(int depth) {
   return {(kSmallKernelParamBytes - kOpArgBytes - 8 - blocks * 5) / (8 * depth + 8), blocks};
 }
 
-// 32,764 bytes: as many block entries (16-bit slot + 32-bit chunk) as tensor slots.
+// 32,764 bytes: as many block entries (16-bit slot + 32-bit chunk) as tensor slots; one entry fewer
+// where the padding before the 32-bit arrays would not fit (depth 10).
+constexpr int large_metadata_bytes(int depth, int n) {
+  const int slots_end = (8 * depth + 8 + 2) * n;                   // addresses, numel, block_to_tensor
+  const int chunks_end = (slots_end + 3) / 4 * 4 + 4 * n;           // block_to_chunk
+  return (chunks_end + 7) / 8 * 8 + 8;                              // first_block
+}
 constexpr MetaLimits large_limits(int depth) {
-  const int n = (kLargeKernelParamBytes - kOpArgBytes - 8) / (8 * depth + 8 + 6);
+  int n = (kLargeKernelParamBytes - kOpArgBytes - 8) / (8 * depth + 8 + 6);
+  while (large_metadata_bytes(depth, n) > kLargeKernelParamBytes - kOpArgBytes) --n;
   return {n, n};
 }
 
@@ -85,7 +92,8 @@ constexpr bool fits_its_limit() {
          sizeof(TensorListMetadata<Depth, true>) <= kLargeKernelParamBytes - kOpArgBytes;
 }
 static_assert(fits_its_limit<1>() && fits_its_limit<2>() && fits_its_limit<3>() && fits_its_limit<4>() &&
-              fits_its_limit<5>() && fits_its_limit<6>() && fits_its_limit<7>());
+              fits_its_limit<5>() && fits_its_limit<6>() && fits_its_limit<7>() && fits_its_limit<8>() &&
+              fits_its_limit<9>() && fits_its_limit<10>() && fits_its_limit<11>());
 
 // Chunk (tensor slot, chunk index, element range) of the calling block.
 template <typename Meta>

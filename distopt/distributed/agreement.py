@@ -29,7 +29,7 @@ Entry = tuple[str, str]
 # The constructor options that shape the buckets, the collectives or the update.
 OPTIONS = ("grad_sync_dtype", "param_sync_dtype", "average_grad_sync", "overlap_grad_sync", "overlap_param_sync",
            "bucket_cap_mb", "pipeline_size", "contiguous_grad_buffer", "contiguous_param_buffer", "store_params",
-           "store_param_remainders", "capturable")
+           "store_param_remainders", "capturable", "exp_avg_dtype", "exp_avg_sq_dtype", "stochastic_rounding")
 
 # Group keys with a fixed place and normal form in the fingerprint; any other key follows, sorted.
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode")

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from ..moment_formats import from_float32, to_float32, zeros
 from ..offload import HostTransfers, Landing
 from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm, Handle
@@ -42,7 +43,9 @@ def flat_like(grad: Tensor, param: Tensor) -> Tensor:
 
 @dataclass
 class ShardState:
-    """This rank's shard of a bucket's optimizer state (flat, ``shard_numel`` elements each)."""
+    """This rank's shard of a bucket's optimizer state (flat, ``shard_numel`` elements each). The moments
+    are fp32, or in the bucket's low-precision format (distributed/moments.py): bf16, or 8-bit codes
+    with one fp32 absmax per 256 shard elements in ``exp_avg_scales``/``exp_avg_sq_scales``."""
 
     exp_avg: Tensor
     exp_avg_sq: Tensor
@@ -50,16 +53,25 @@ class ShardState:
     master: Tensor | None  # fp32 master params (store_params)
     remainders: Tensor | None  # int16 low halves of the masters (store_param_remainders)
     grad_valid: bool = False  # False: `grad` holds stale data, the next reduction overwrites it
+    exp_avg_scales: Tensor | None = None  # 8-bit exp_avg: absmax per block of 256 shard elements
+    exp_avg_sq_scales: Tensor | None = None
 
     @classmethod
     def zeros(cls, numel: int, device: torch.device, master: bool, remainders: bool,
-              host: HostTransfers | None = None) -> ShardState:
-        """Zeroed state on `device`, or in `host` memory (offload)."""
+              host: HostTransfers | None = None,
+              moments: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)) -> ShardState:
+        """Zeroed state on `device`, or in `host` memory (offload: fp32 moments only)."""
         def z(dtype: torch.dtype) -> Tensor:
             return host.zeros(numel, dtype) if host is not None else torch.zeros(numel, dtype=dtype, device=device)
 
-        return cls(exp_avg=z(torch.float32), exp_avg_sq=z(torch.float32), grad=z(torch.float32),
-                   master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None)
+        if host is not None:  # offload keeps fp32 moments (low-precision ones are refused at construction)
+            (m, m_scales), (v, v_scales) = (z(torch.float32), None), (z(torch.float32), None)
+        else:
+            (m, m_scales), (v, v_scales) = (zeros(numel, dtype, device, signed)
+                                            for dtype, signed in zip(moments, (True, False)))
+        return cls(exp_avg=m, exp_avg_sq=v, grad=z(torch.float32),
+                   master=z(torch.float32) if master else None, remainders=z(torch.int16) if remainders else None,
+                   exp_avg_scales=m_scales, exp_avg_sq_scales=v_scales)
 
 
 class BucketRuntime:
@@ -367,20 +379,23 @@ class BucketRuntime:
     def read_state(self, params: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's fp32 masters, exp_avg and exp_avg_sq (flat, ``shard_numel`` each). The masters
         are the stored ones, or else the param slice (read from `params` unless they are views of
-        the buffer) joined with the remainders. The results may alias the state: copy before changing."""
+        the buffer) joined with the remainders. The results may alias the state: copy before changing.
+        Low-precision moments are read as fp32 (8-bit: the shard's blocks are its params' blocks)."""
         s = self.state
+        m, v = to_float32(s.exp_avg, s.exp_avg_scales, True), to_float32(s.exp_avg_sq, s.exp_avg_sq_scales, False)
         if s.master is not None:
-            return s.master, s.exp_avg, s.exp_avg_sq
+            return s.master, m, v
         if not self.contiguous_param:
             self.gather_in(params)
         local = self.param_buffer[self.lo : self.hi]
         masters = join_bf16_remainder(local, s.remainders) if s.remainders is not None else local.float()
-        return masters, s.exp_avg, s.exp_avg_sq
+        return masters, m, v
 
     def write_state(self, masters: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
         """Replaces this rank's shard state and its param-buffer slice (16-bit params and remainders
         from the fp32 `masters`), in place, so a captured CUDA graph stays valid. The model params
-        change when the slice is next gathered (``ParamSync.after_step``)."""
+        change when the slice is next gathered (``ParamSync.after_step``). Low-precision moments are
+        stored from the fp32 values as the kernel stores them (8-bit: quantised block by block)."""
         s = self.state
         local = self.local_param_slice()
         if self._params_sent is not None:  # offload: the masters are being copied out; let that finish
@@ -394,8 +409,12 @@ class BucketRuntime:
             local.copy_(masters)
         if s.master is not None:
             s.master.copy_(masters)
-        s.exp_avg.copy_(exp_avg)
-        s.exp_avg_sq.copy_(exp_avg_sq)
+        for state, scales, values, signed in ((s.exp_avg, s.exp_avg_scales, exp_avg, True),
+                                              (s.exp_avg_sq, s.exp_avg_sq_scales, exp_avg_sq, False)):
+            stored, new_scales = from_float32(values, state.dtype, signed)
+            state.copy_(stored)
+            if scales is not None:
+                scales.copy_(new_scales)
 
 
 def shard_runs(fragments: tuple[Fragment, ...], shard_numel: int, group_of: list[int]) -> list[tuple[int, int, int]]:

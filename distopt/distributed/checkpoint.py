@@ -20,8 +20,7 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
   owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
   every tensor in `extra`; on load each rank reads just the saved ranges that overlap its new ones.
-  The save is crash-consistent: written beside the path and switched in atomically
-  (atomic_replace.py), so the path always holds one complete checkpoint.
+  Crash-consistent: written beside the path and switched in atomically (atomic_replace.py).
 
 Loading is all or nothing. It checks the format, param count, shapes, coverage and (where the
 checkpoint has them) the checksums of everything it reads, into fresh tensors, on every rank,
@@ -32,9 +31,8 @@ captured CUDA graph stays valid) and the model params from the fp32 masters, so 
 loaded first or with the same checkpoint. A state dict that was edited on purpose loads once its
 ``checksums`` entry is deleted.
 
-Checkpoints without checksums are accepted unverified: torch's and FusedAdam's state dicts, and
-sharded checkpoints of the first format (``distopt.sharded.v1``, with a warning), which still get
-every other check and the all-or-nothing load.
+Checkpoints without checksums (torch's and FusedAdam's state dicts, ``distopt.sharded.v1`` with a
+warning) are accepted unverified, with every other check and the all-or-nothing load.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from .._state_dicts import (
     state_checksums,
     tensor_crc32,
 )
-from . import atomic_replace, dcp_sharded
+from . import atomic_replace, dcp_sharded, moment_checkpoint
 from .agreement import raise_together
 from .atomic_replace import describe
 from .buckets import BucketRuntime, flat
@@ -137,6 +135,7 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
     if sharded is None:
         sharded = dcp_sharded.active(opt)
     if sharded:
+        moment_checkpoint.check_sharded(opt)
         if gather_on_rank0:
             raise ValueError("state_dict(gather_on_rank0=True) gathers the whole state on rank 0; the sharded form "
                              "(sharded=True, or inside sharded_state_dicts) gathers nothing: choose one")
@@ -152,7 +151,7 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
             for key in STATE_KEYS} for p in params] if keep else []
     for b in buckets:
         gathered = torch.empty(b.spec.numel, dtype=torch.float32, device=b.device)
-        for key in STATE_KEYS:
+        for key in moment_checkpoint.fp32_keys(opt, STATE_KEYS):  # low-precision moments: gather_moments
             # (an offloaded shard is on the host: the collective takes it on the device)
             opt.comm.all_gather(gathered, _local_shard(b, key, params).to(b.device), b.index, f"{key} for state_dict()"
                                 ).wait()
@@ -161,6 +160,7 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
                 dst = flat(out[piece.param][key])[piece.param_offset : piece.param_offset + piece.numel]
                 dst.copy_(whole[piece.bucket_offset : piece.bucket_offset + piece.numel])
         del gathered, whole
+    moment_checkpoint.gather_moments(opt, out, keep)
     if not keep:
         return None
     if not buckets:
@@ -189,6 +189,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Loads the per-param form, or a torch.optim.AdamW/Adam or FusedAdam state dict. State keys name
     params as the saved param_groups list them, by position (torch.optim) or by name (the FQNs of
     torch.distributed.checkpoint's ``get_state_dict``), matched in order with this optimizer's."""
+    sd, exact, seeds = moment_checkpoint.split(opt, sd)  # low-precision moments as fp32, their bits aside
     fmt = sd.get("format") if isinstance(sd, dict) else None
     if not isinstance(sd, dict) or fmt not in (FORMAT, None) or not isinstance(sd.get("state"), dict) \
             or "param_groups" not in sd:
@@ -243,6 +244,7 @@ def load_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         return in_memory_order[g, key][offset : offset + numel]
 
     _apply(opt, source, max(steps, default=0), sd["param_groups"])
+    moment_checkpoint.restore(opt, exact, lambda key: _position_of(key, positions), seeds)
 
 
 def _saved_positions(saved_groups: list[dict[str, Any]]) -> dict[Any, int]:
@@ -307,6 +309,7 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint for torch.distributed.checkpoint: each owned range of each
     param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under ``checksum.<param>...``
     (<param>: tensor_parallel.chunk_name), plus what every rank shares (``meta``)."""
+    moment_checkpoint.check_sharded(opt)
     buckets = opt.shard_buckets()
     index, params, tensors = opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()
     names = [chunk_name(g, p) for g, p in zip(index, params)]
@@ -358,6 +361,7 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
     on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
     the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
+    moment_checkpoint.check_sharded(opt)
     group = checkpoint_group(opt)
     checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra

@@ -5,7 +5,9 @@ gradients arrive), into buckets of at most ``bucket_numel`` elements. Every buck
 ``world_size`` equal shards; rank r owns the r-th. A param starts at an ``align``-element boundary so
 that every shard run the optimizer updates starts 16-byte aligned; a param larger than a bucket's
 free space starts a new bucket, and one larger than a whole bucket is split across buckets. Params
-with different ``group`` keys (e.g. different communication dtypes) never share a bucket.
+with different ``group`` keys (e.g. different communication dtypes) never share a bucket. ``aligns``
+may give a group a coarser alignment (8-bit optimizer state: 256-element quantisation blocks), which
+then also rounds its buckets' capacity and shards, so that no aligned block straddles two shards.
 
 Nothing here touches tensors: the layout is plain data, tested property-by-property in
 tests/test_layout.py.
@@ -13,7 +15,7 @@ tests/test_layout.py.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 DEFAULT_ALIGN = 16  # elements: 64 bytes of fp32, 32 of bf16; a 16-byte vector load needs <= 8
@@ -88,21 +90,28 @@ def plan_layout(
     bucket_numel: int,
     groups: Sequence[Hashable] | None = None,
     align: int = DEFAULT_ALIGN,
+    aligns: Mapping[Hashable, int] | None = None,
 ) -> Layout:
     """Packs params of the given sizes (in order) into buckets; see the module docstring.
 
     ``bucket_numel`` is rounded down to a multiple of ``world_size * align`` (at least one such unit)
-    so shards stay aligned; each bucket is padded up to such a multiple.
+    so shards stay aligned; each bucket is padded up to such a multiple. ``aligns[group]``, where
+    given, replaces ``align`` for that group's params and buckets.
     """
-    if world_size < 1 or align < 1:
-        raise ValueError(f"world_size and align must be >= 1, got {world_size}, {align}")
+    aligns = dict(aligns or {})
+    if world_size < 1 or align < 1 or any(a < 1 for a in aligns.values()):
+        raise ValueError(f"world_size and align must be >= 1, got {world_size}, {align}, {aligns}")
     if any(n < 0 for n in numels):
         raise ValueError("param sizes must be >= 0")
     groups = [None] * len(numels) if groups is None else list(groups)
     if len(groups) != len(numels):
         raise ValueError(f"{len(groups)} group keys for {len(numels)} params")
-    unit = world_size * align
-    capacity = max(unit, bucket_numel // unit * unit)
+
+    def unit_of(group: Hashable) -> int:
+        return world_size * aligns.get(group, align)
+
+    def capacity_of(group: Hashable) -> int:
+        return max(unit_of(group), bucket_numel // unit_of(group) * unit_of(group))
 
     buckets: list[dict] = []  # mutable drafts: group, pieces, fill
     open_bucket: dict[Hashable, int] = {}  # group -> index of its bucket being filled
@@ -119,7 +128,8 @@ def plan_layout(
         b = open_bucket.get(group)
         if b is None:
             b = new_bucket(group)
-        start = _round_up(buckets[b]["fill"], align)
+        capacity = capacity_of(group)
+        start = _round_up(buckets[b]["fill"], aligns.get(group, align))
         if start + numel > capacity and buckets[b]["fill"] > 0 and (numel <= capacity or start >= capacity):
             # Start afresh rather than split a param that fits a bucket of its own (or when
             # nothing fits here any more).
@@ -136,7 +146,8 @@ def plan_layout(
                 b, start = new_bucket(group), 0
 
     final = tuple(
-        Bucket(d["group"], _round_up(d["fill"], unit), _round_up(d["fill"], unit) // world_size, tuple(d["pieces"]))
+        Bucket(d["group"], _round_up(d["fill"], unit_of(d["group"])),
+               _round_up(d["fill"], unit_of(d["group"])) // world_size, tuple(d["pieces"]))
         for d in buckets
     )
     return Layout(world_size, final, tuple(tuple(p) for p in param_pieces))
@@ -149,6 +160,7 @@ def plan_segments(
     world_size: int,
     bucket_numel: int,
     align: int = DEFAULT_ALIGN,
+    aligns: Mapping[Hashable, int] | None = None,
 ) -> Layout:
     """Plans params given as segments of indices into `numels`/`groups`, packed in segment order.
 
@@ -163,7 +175,8 @@ def plan_segments(
     def add(indices: Sequence[int], capacity: int) -> None:
         if not indices:
             return
-        part = plan_layout([numels[i] for i in indices], world_size, capacity, [groups[i] for i in indices], align)
+        part = plan_layout([numels[i] for i in indices], world_size, capacity, [groups[i] for i in indices], align,
+                           aligns)
         shift = len(buckets)
 
         def move(p: Piece) -> Piece:
@@ -180,8 +193,9 @@ def plan_segments(
             continue
         add(shared, bucket_numel)
         shared = []
-        whole = sum(_round_up(numels[i], align) for i in indices)
-        add(list(indices), max(bucket_numel, _round_up(whole, world_size * align)))
+        coarsest = max((aligns or {}).get(groups[i], align) for i in indices) if indices else align
+        whole = sum(_round_up(numels[i], coarsest) for i in indices)
+        add(list(indices), max(bucket_numel, _round_up(whole, world_size * coarsest)))
     add(shared, bucket_numel)
     return Layout(world_size, tuple(buckets), tuple(per_param))
 

@@ -20,10 +20,11 @@ from .._validation import (
 from ..grad_scaling import GradScaling
 from ..offload import HOST, HostTransfers
 from . import agreement, checkpoint, tensor_parallel, torch_compat, update
-from .buckets import BucketRuntime, ShardState, flat, shard_runs
+from .buckets import BucketRuntime, ShardState, flat
 from .comm import Comm
 from .grad_sync import GradSync
 from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
+from .moments import ShardMoments
 from .options import Storage, check_options, check_param_dtypes
 from .packing import Packing
 from .param_sync import ParamSync
@@ -75,52 +76,42 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         per-step allocation); under no_sync() param.grad is then a view of its bucket.
       contiguous_param_buffer=False: make every param a view of a persistent bucket buffer, so the
         all-gather writes the model params directly (needs param_sync_dtype == param dtype).
-      store_params=None: keep an fp32 master copy of this rank's shard of params where one is needed:
-        for params that are not fp32 or are synchronised in another dtype. An fp32 model synchronised in
-        fp32 is its own master (its shard is read back from the params each step), so sharding saves
-        the most. True keeps masters for every param (apex's default); False never does (16-bit params
-        are then updated directly, losing updates below their precision; needs param_sync_dtype equal
-        to the param dtype).
+      store_params=None: fp32 masters of this rank's shard where needed: params not fp32 or synchronised
+        in another dtype (an fp32 model synced in fp32 is its own master, read back each step). True keeps
+        them for every param (apex's default); False never (16-bit params updated directly, losing updates
+        below their precision; needs param_sync_dtype equal to the param dtype).
       store_param_remainders=False: for bf16 params synchronised in bf16, keep only the int16 low
         halves of the fp32 masters (the bf16 params are the high halves): fp32-exact updates for 2
         bytes per element. Other params in the same model follow store_params.
-      capturable=False: True keeps lr (``group["lr"]`` becomes a float32 GPU tensor that schedulers
-        update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
-        with no host synchronisation anywhere, so a whole training step (backward with its
-        reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
-        With overlap_param_sync the param buffers then stay allocated between steps (the graph's
-        forward gathers what its step wrote).
-      offload_optimizer=False: keep this rank's fp32 masters, moments and grad shard in host memory
-        (pinned for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard is copied to the
-        host as its reduce-scatter lands (overlapping the rest of backward), the fused CPU kernel
-        updates the shard, and the new param slice is copied back for the all-gather. Device memory
-        then holds only the model, its grads in flight and the sync buffers. Same numbers as
-        store_params=True without offload (the CPU and GPU kernels compute the same bits); same state
-        dicts. Not with capturable (a CUDA graph cannot hold the host update), store_params=False or
-        store_param_remainders (both drop the masters the host update needs).
+      capturable=False: True keeps lr (``group["lr"]``: a float32 GPU tensor schedulers update in place),
+        the step count, the inf/nan flag and the unscale/clip factors on the GPU with no host sync, so a
+        whole training step (backward with its reduce-scatters, unscale, clip, step, all-gather) can be
+        captured in one CUDA graph. CUDA only. With overlap_param_sync the param buffers stay allocated.
+      offload_optimizer=False: this rank's fp32 masters, moments and grad shard in host memory (pinned
+        for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard goes to the host as its
+        reduce-scatter lands, the fused CPU kernel updates it, the new param slice comes back for the
+        all-gather; the device holds only the model, grads in flight and sync buffers. The same bits and
+        state dicts as store_params=True; not with capturable, store_params=False or remainders.
+      exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, stochastic_rounding=False: the
+        moments' storage and bf16 rounding, as FusedAdam's (bf16; torch.uint8: 8-bit blockwise, params
+        under 4,096 elements keep fp32), the same bits at every world size and bucket size (moments.py).
 
     Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
     ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
     themselves. With the stock ``torch.amp.GradScaler``, ``scaler.step(opt)`` passes itself to
-    ``step(grad_scaler=...)``; a step whose gradients hold inf/nan on any rank changes nothing on
-    every rank, and ``scaler.update()`` backs off. (torch marks that keyword deprecated in favour of
-    attributes that cannot carry the inf flag of gradients it never sees; its FutureWarning is
-    silenced for this optimizer.) Without ``capturable``, a step with a scaler reads the inf flag on
-    the host once.
+    ``step(grad_scaler=...)`` (torch's FutureWarning on that keyword is silenced: its replacement cannot
+    carry the inf flag); a step whose gradients hold inf/nan on any rank changes nothing on every rank,
+    and ``scaler.update()`` backs off (without ``capturable`` the flag is read on the host once).
 
-    Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
-    updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
-    and momentum still apply), as in FSDP and apex. Params with requires_grad=False are not updated.
+    Unlike torch.optim.AdamW, every trainable param is updated each step: one with no gradient on any
+    rank gets a zero gradient (as in FSDP and apex). Params with requires_grad=False are not updated.
 
     ``opt.state`` (state_view.py) is a read-only view of what this rank holds, built on access with no
-    communication. Every trainable param has an entry from construction on (so torch's
-    ``get_state_dict`` never takes its initialising zero-grad step): ``step`` (float32 scalar; with
-    capturable, the live GPU counter) and ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D fp32
-    tensors of this rank's elements of the param in its memory order, empty where it holds none (or
-    before the layout is built); views of the shard where it holds those values, else copies (``step``; a
-    param split over buckets; ``param`` of 16-bit params without stored masters). Writes that would
-    change nothing raise: in place to a copy, assigning keys. Frozen params read as {}. torch.optim's
-    hooks fire as on torch's optimizers. It cannot be deep-copied or pickled: use ``state_dict()``.
+    communication; every trainable param has an entry from construction on (torch's ``get_state_dict``
+    never takes its zero-grad step): ``step`` (float32 scalar; with capturable, the live GPU counter),
+    ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D tensors of this rank's elements in memory
+    order, empty where it holds none; views of the shard where it holds those values, else copies. Writes
+    that would change nothing raise. Frozen params read as {}. Not deep-copyable: use ``state_dict()``.
     """
 
     def __init__(
@@ -156,14 +147,20 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         store_param_remainders: bool = False,
         capturable: bool = False,
         offload_optimizer: bool = False,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = False,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         self._storage = Storage(store_params, store_param_remainders, offload_optimizer)
         check_options(dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb, pipeline_size, self._storage, capturable)
         options = torch_compat.option_defaults(adam_w_mode, decoupled_weight_decay, maximize, amsgrad, foreach, fused,
                                                 differentiable, capturable)
+        self._moments = ShardMoments(exp_avg_dtype, exp_avg_sq_dtype, stochastic_rounding, offload_optimizer)
+        self.exp_avg_dtype, self.exp_avg_sq_dtype, self.stochastic_rounding = self._moments.options()
         self.capturable = capturable  # add_param_group checks groups against it
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options,
+                                      **self._moments.defaults()))
         self.state = StateView(self)  # replaces torch's defaultdict: see the class docstring
 
         self.comm = Comm(process_group, distributed_process_group, redundant_process_group)
@@ -223,8 +220,9 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if expected is not None and self.device.type != expected:
             raise ValueError(f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
                              f"communicates {expected} tensors")
-        check_param_dtypes([(self._param_dtype(p), p.dtype) for p in self._params], self._storage,
-                           self.contiguous_param_buffer)
+        dtypes = [(self._param_dtype(p), p.dtype) for p in self._params]
+        check_param_dtypes(dtypes, self._storage, self.contiguous_param_buffer)
+        self._moments.check_params(self._params, dtypes, self._storage)
 
     def _grad_dtype(self, p: Tensor) -> torch.dtype:
         return self._packing.grad_dtype(p)
@@ -275,19 +273,21 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _build_layout(self) -> None:
         segments = self._packing.segments(self._grads.arrival)
+        self._moments.agree_seeds(self.param_groups, self.comm, self.device)  # before agreement compares them
         agreement.check(self)
         # Every rank must pack identically: take rank 0's plan (backward order may differ by rank).
         segments = Packing.agreed(segments, self.comm, self.device)
-        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype) for p in self._params]
+        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype, *self._moments.group_key(p)) for p in self._params]
+        aligns = self._moments.aligns(keys)  # 8-bit blocks never straddle shards (moments.py)
         elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
         bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
         if self.contiguous_param_buffer or self.contiguous_grad_buffer:
             # Params become views of one bucket: never split one (the planner rounds capacity down
             # to whole shard units, so round the largest param up to one).
-            unit = self.comm.dist_size * DEFAULT_ALIGN
+            unit = self.comm.dist_size * max([DEFAULT_ALIGN, *aligns.values()])
             bucket_numel = max(bucket_numel, -(-max(p.numel() for p in self._tensors) // unit) * unit)
         numels = [p.numel() for p in self._tensors]
-        self._layout = plan_segments(segments, numels, keys, self.comm.dist_size, bucket_numel)
+        self._layout = plan_segments(segments, numels, keys, self.comm.dist_size, bucket_numel, aligns=aligns)
         self._layout_numels = numels
         if self._layout.utilization() < 0.5:
             warnings.warn(f"DistributedFusedAdam: {padding_advice(self._layout, numels, bucket_numel)}", stacklevel=3)
@@ -296,7 +296,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     def _create_buckets(self) -> None:
         rank = self.comm.dist_rank
         for index, spec in enumerate(self._layout.buckets):
-            grad_dtype, param_dtype, model_dtype = spec.group
+            grad_dtype, param_dtype, model_dtype = spec.group[:3]
             b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
                               param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
                               keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local,
@@ -304,7 +304,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
             b.state = ShardState.zeros(spec.shard_numel, self.device,
                                        master=self._storage.master(param_dtype, model_dtype),
                                        remainders=self._storage.remainders(param_dtype, model_dtype),
-                                       host=self._transfers)
+                                       host=self._transfers, moments=ShardMoments.moment_dtypes(spec.group))
             if b.state.master is not None:
                 srcs = [flat(self._tensors[f.param].detach())[f.param_offset : f.param_offset + f.numel]
                         for f in b.fragments]
@@ -316,7 +316,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                     ops.cast_copy_(srcs, dsts)
             if self.contiguous_param_buffer:
                 b.bind_params(self._tensors)
-            b.runs = shard_runs(b.fragments, spec.shard_numel, self._group_of)
+            b.runs = self._moments.runs(b.fragments, spec.shard_numel, self._group_of)
             self._buckets.append(b)
         self._grads.attach(self._layout, self._buckets)
         self._param_sync.attach(self._layout, self._buckets)

@@ -181,7 +181,8 @@ def memory_report(buckets: list[BucketRuntime], contiguous_grad_buffer: bool, of
         report["staging"] += b.host_staging_bytes()
         s = b.state
         report["master"] += nbytes(s.master)
-        report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)
+        report["moments"] += nbytes(s.exp_avg) + nbytes(s.exp_avg_sq)  # 8-bit: codes and absmax scales
+        report["moments"] += nbytes(s.exp_avg_scales) + nbytes(s.exp_avg_sq_scales)
         report["remainders"] += nbytes(s.remainders)
         report["grad_shard"] += nbytes(s.grad)
         if contiguous_grad_buffer:

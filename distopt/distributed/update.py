@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import DistributedFusedAdam
 
 KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remainders")
+WHERE = "where"  # each entry's (shard state, fragment), for the moment formats' arguments (moments.py)
 
 
 def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
@@ -31,10 +32,12 @@ def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tens
 
 
 def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    ids = None if opt._moments.plain else opt.checkpoint_indices()  # stochastic rounding's param ids
     for (group_index, _), lists in kernel_lists(buckets, opt._tensors, opt._group_of,
-                                                opt.contiguous_param_buffer).items():
+                                                opt.contiguous_param_buffer, ids is not None).items():
         group = opt.param_groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
+        hyper.update(opt._moments.call_kwargs(lists.pop(WHERE), ids, group))
         if opt.capturable:  # the kernel reads lr and the step from the GPU
             ops.adam_step_(**lists, lr=graph_safe_lr(opt, group_index), step=opt._step_tensor, found_inf=found_inf,
                            **hyper)
@@ -53,21 +56,22 @@ def graph_safe_lr(opt: DistributedFusedAdam, index: int) -> Tensor:
 
 
 def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: list[int],
-                 contiguous_param_buffer: bool) -> dict[tuple, dict[str, list[Tensor]]]:
-    """The fused kernel's argument lists: one call per (param group, bucket dtypes)."""
+                 contiguous_param_buffer: bool, per_fragment: bool = False) -> dict[tuple, dict[str, list[Tensor]]]:
+    """The fused kernel's argument lists: one call per (param group, bucket dtypes); under WHERE, each
+    entry's (shard state, fragment) where `per_fragment` (else None)."""
     calls: dict[tuple, dict[str, list[Tensor]]] = {}
     for b in buckets:
         s = b.state
         if b.in_place and not contiguous_param_buffer:
             for key, lists in direct_entries(b, params, group_of).items():
-                c = calls.setdefault(key, {k: [] for k in KEYS})
-                for k in KEYS:
+                c = calls.setdefault(key, {k: [] for k in (*KEYS, WHERE)})
+                for k in (*KEYS, WHERE):
                     c[k].extend(lists[k])
             continue
         if b.transfers is not None:  # offload: host masters, moments and grads; host param outputs
             outs = b.update_outputs()
             for group, start, end in b.runs:
-                c = calls.setdefault((group, b.spec.group), {k: [] for k in KEYS})
+                c = calls.setdefault((group, b.spec.group), {k: [] for k in (*KEYS, WHERE)})
                 for k, t in zip(KEYS, (s.master, s.grad, s.exp_avg, s.exp_avg_sq, outs)):
                     if t is not None:
                         c[k].append(t[start:end])
@@ -75,8 +79,11 @@ def kernel_lists(buckets: list[BucketRuntime], params: list[Tensor], group_of: l
         local = b.local_param_slice()
         if s.master is None and not contiguous_param_buffer:
             b.gather_in(params)  # the model params are the masters (or their high halves)
+        # per_fragment (moments.py): each run is one fragment, starting at it
+        fragment_at = {f.shard_offset: f for f in b.fragments} if per_fragment else {}
         for group, start, end in b.runs:
-            c = calls.setdefault((group, b.spec.group), {k: [] for k in KEYS})
+            c = calls.setdefault((group, b.spec.group), {k: [] for k in (*KEYS, WHERE)})
+            c[WHERE].append((s, fragment_at.get(start)))
             c["params"].append((s.master if s.master is not None else local)[start:end])
             c["grads"].append(s.grad[start:end])
             c["exp_avgs"].append(s.exp_avg[start:end])
@@ -107,7 +114,8 @@ def direct_entries(b: BucketRuntime, params: list[Tensor], group_of: list[int]) 
     s = b.state
     calls: dict[tuple, dict[str, list]] = {}
     for f in b.fragments:
-        c = calls.setdefault((group_of[f.param], b.spec.group), {k: [] for k in KEYS})
+        c = calls.setdefault((group_of[f.param], b.spec.group), {k: [] for k in (*KEYS, WHERE)})
+        c[WHERE].append((s, f))
         p = params[f.param]
         if f.numel == p.numel():
             model, shape, stride = p, p.shape, p.stride()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import sys
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distopt import FusedAdam
 
 import tolerances
+from call_count import python_calls
 from dtensor_models import batch, fsdp, groups, mlp, tp
 from harness import run_ranks
 
@@ -118,18 +118,7 @@ def python_calls_per_step(count: int, world_size: int, planned: bool, kind: str)
         opt.step()
         opt.zero_grad()
     new_grads()
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(profile)
-    try:
-        opt.step()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return python_calls(opt.step)
 
 
 def bitwise_like_unsharded(rank: int, world_size: int, layout, dtype: torch.dtype) -> list[str]:
