@@ -145,16 +145,17 @@ def bits(t: Tensor) -> Tensor:
     return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
-def assert_bits_equal(actual: Tensor, expected: Tensor, what: str = "") -> None:
-    """Same dtype, shape and bit pattern in every element, NaN payloads aside: where both hold a NaN
-    its sign and payload are the hardware's (an x86 CPU makes the negative quiet NaN, an NVIDIA GPU the
-    positive canonical one), so NaN matches NaN; every other element must match bit for bit."""
+def assert_bits_equal(actual: Tensor, expected: Tensor, what: str = "", any_nan: bool = False) -> None:
+    """Same dtype, shape and bit pattern in every element. With ``any_nan``, a NaN matches any NaN: its
+    sign and payload are the hardware's (an x86 CPU makes the negative quiet NaN, an NVIDIA GPU the
+    positive canonical one), so a CPU-vs-GPU comparison cannot ask for them; every other element must
+    still match bit for bit."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     expected = expected.to(actual.device)
     a, e = bits(actual), bits(expected)
     differ = a != e
-    if actual.is_floating_point():
+    if any_nan and actual.is_floating_point():
         differ &= ~(actual.isnan() & expected.isnan())
     if differ.any():
         bad = differ.nonzero()
