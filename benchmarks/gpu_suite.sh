@@ -84,42 +84,37 @@ pytest_cuda() { in_time "$PYTHON" -m pytest -m cuda -v 2>&1 | tee "$OUT/pytest_c
 
 bench() { in_time "$PYTHON" benchmarks/bench_kernels.py --device cuda --out "$OUT"; }
 
-# ~30 s expected (a 98M-param GPT: correctness check in fp32 and bf16, then 4 optimizers timed).
-# ~60 s expected: low-precision moments (bf16, stochastic bf16, 8-bit) against fp32 moments and torch's
-# fused AdamW, each checked bit for bit against the CPU kernel first. JSON into suite.log, as offload's.
-bench_lowprec() {
-  local tmp rc=0
+# json_into_log NAME SCRIPT ARGS...: runs benchmarks/SCRIPT --device cuda ARGS --out TMP and prints its
+# TMP/NAME between "=== NAME begin/end" lines, so that it lands in suite.log (the device returns at most
+# eight files, all taken); its plot is dropped.
+json_into_log() {
+  local name=$1 script=$2 tmp rc=0
+  shift 2
   tmp=$(mktemp -d)
-  in_time "$PYTHON" benchmarks/bench_lowprec_kernels.py --device cuda --out "$tmp" --torchao || rc=$?
-  if [[ -f $tmp/lowprec_kernels.json ]]; then
-    echo "=== lowprec_kernels.json begin"
-    cat "$tmp/lowprec_kernels.json"
-    echo "=== lowprec_kernels.json end"
+  in_time "$PYTHON" "benchmarks/$script" --device cuda "$@" --out "$tmp" || rc=$?
+  if [[ -f $tmp/$name ]]; then
+    echo "=== $name begin"
+    cat "$tmp/$name"
+    echo "=== $name end"
   fi
   rm -rf "$tmp"
   return "$rc"
 }
 
+# ~60 s expected: low-precision moments (bf16, stochastic bf16, 8-bit) against fp32 moments and torch's
+# fused AdamW, each checked bit for bit against the CPU kernel first.
+bench_lowprec() { json_into_log lowprec_kernels.json bench_lowprec_kernels.py --torchao; }
+
+# ~30 s expected (a 98M-param GPT: correctness check in fp32 and bf16, then 4 optimizers timed).
 bench_step() { in_time "$PYTHON" benchmarks/bench_step.py --device cuda --world-size 1 --out "$OUT"; }
 
 # ~60 s expected (4 pairs of a 100M-param Linear stack; the offloaded steps run the host kernel over
-# 1.6 GB of state). Its JSON goes into suite.log (the files are all taken); its plot is dropped.
-bench_offload() {
-  local tmp rc=0
-  tmp=$(mktemp -d)
-  in_time "$PYTHON" benchmarks/bench_offload.py --device cuda --params 100000000 --out "$tmp" || rc=$?
-  if [[ -f $tmp/results_offload.json ]]; then
-    echo "=== results_offload.json begin"
-    cat "$tmp/results_offload.json"
-    echo "=== results_offload.json end"
-  fi
-  rm -rf "$tmp"
-  return "$rc"
-}
+# 1.6 GB of state).
+bench_offload() { json_into_log results_offload.json bench_offload.py --params 100000000; }
 
-# Every op and dtype path at small sizes (low-precision moments too): odd lengths, one tensor spanning several chunks, more
-# tensors than one launch's metadata holds, and views at an odd element offset so that both the
-# vectorised and the unaligned paths run. Inputs are made on the host so that few torch kernels run
+# Every op and dtype path at small sizes, low-precision moments too: odd lengths, one tensor spanning
+# several chunks, more tensors than one launch's metadata holds, and views at an odd element offset so
+# that both the vectorised and the unaligned paths run. Inputs are made on the host so that few torch kernels run
 # under the (slow) sanitizer. No value checks: the tests do those; this looks for memory errors.
 read -r -d '' SANITIZER_PY <<'EOF'
 import sys
