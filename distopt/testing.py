@@ -7,7 +7,9 @@ instead of a hang.
 Forking is safe here (CPU only, no CUDA initialised) and takes ~0.1 s per rank, against seconds for
 spawn. Each rank uses one thread (OMP_NUM_THREADS=1), joins a FileStore-backed gloo group, and
 leaves it with a barrier first (avoids flaky connection resets). If a rank raises, the others are
-killed and its traceback becomes the AssertionError's message.
+killed and its traceback becomes the AssertionError's message. A rank killed by a signal (a crash in
+native code) is named in that message with the signal, and its Python stack at the crash is on its
+stderr (faulthandler), which pytest shows with the failure.
 
     outcomes = run_ranks_outcomes(fn, world_size=3, args=(...), pg_timeout_s=3)
 
@@ -17,10 +19,12 @@ Outcome (returned, raised, or died by a signal) with the seconds it took, withou
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
 import tempfile
 import time
 import traceback
@@ -39,6 +43,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, store_path: str, args: 
                pg_timeout_s: float | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    faulthandler.enable(file=2, all_threads=True)  # a fatal signal prints every thread's Python stack
     try:
         store = dist.FileStore(store_path, world_size)
         timeout = {} if pg_timeout_s is None else {"timeout": timedelta(seconds=pg_timeout_s)}
@@ -64,40 +69,59 @@ def hsdp_groups(rank: int, world_size: int, shard_size: int) -> dict:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = DEFAULT_TIMEOUT_S) -> list:
-    """fn(rank, world_size, *args) on every rank; returns the results in rank order."""
+    """fn(rank, world_size, *args) on every rank; returns the results in rank order. Fails when a rank
+    raises, dies by a signal, or when no rank reports for `timeout` seconds (a hang)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, store_path, args, queue), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
         try:
-            while len(results) + len(errors) < world_size:
-                try:
-                    rank, status, payload = queue.get(timeout=timeout)
+            last_report = time.monotonic()
+            while len(results) + len(errors) < world_size and not errors:  # after an error the others may
+                try:                                                       # wait forever in a collective
+                    rank, status, payload = queue.get(timeout=0.1)
                 except queue_module.Empty:
-                    missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                    raise AssertionError(
-                        f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
-                        + "".join(f"\n--- rank {r} failed first:\n{tb}" for r, tb in errors.items())
-                    ) from None
+                    if _killed_by_signal(procs):
+                        break
+                    if time.monotonic() - last_report > timeout:
+                        missing = sorted(set(range(world_size)) - set(results))
+                        errors[-1] = f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
+                    continue
+                last_report = time.monotonic()
                 if status == "ok":
                     results[rank] = pickle.loads(payload)
                 else:
                     errors[rank] = payload
-                    break  # the others may now wait forever in a collective
         finally:
+            # Before the others are killed: a rank that crashed makes its peers fail in a collective, and
+            # its signal is the first cause.
+            deaths = _killed_by_signal(procs)
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join(timeout=10)
-    if errors:
-        raise AssertionError("".join(f"\n--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())))
+    if errors or deaths:
+        raise AssertionError("".join(f"\n--- rank {r} was killed by {name} (its stderr shows where)"
+                                     for r, name in deaths.items())
+                             + "".join(f"\n--- rank {r} raised:\n{tb}" if r >= 0 else f"\n--- {tb}"
+                                       for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+def _killed_by_signal(procs: list) -> dict[int, str]:
+    """{rank: signal name} of the ranks that have died by a signal."""
+    deaths = {}
+    for r, p in enumerate(procs):
+        code = p.exitcode
+        if code is not None and code < 0:
+            deaths[r] = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return deaths
 
 
 class Outcome(NamedTuple):

@@ -6,6 +6,7 @@ so no rank is left waiting in a collective); the parent process checks what each
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -269,6 +270,25 @@ def test_harness_times_out_instead_of_hanging():
     with pytest.raises(AssertionError, match=r"did not finish within 2 s"):
         run_ranks(_one_rank_stalls, 2, timeout=2)
     assert time.monotonic() - start < 30
+
+
+def _one_rank_crashes(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os.abort()  # as a crash in native code: no exception, no report, SIGABRT
+    dist.all_reduce(torch.ones(3))  # rank 1 waits here (the group's timeout is minutes)
+
+
+def test_harness_names_a_rank_killed_by_a_signal(capfd):
+    """A rank dying by a signal while the other waits in a collective fails the test fast, with the rank
+    and the signal named and the dead rank's Python stack on stderr (where pytest shows it)."""
+    timeout = 60
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_one_rank_crashes, 2, timeout=timeout)
+    assert time.monotonic() - start < timeout / 2, "the harness waited for the rank blocked in the collective"
+    assert "rank 0 was killed by SIGABRT" in str(info.value)
+    stderr = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in stderr and "_one_rank_crashes" in stderr, stderr
 
 
 def _return_tensor(rank: int, world_size: int) -> torch.Tensor:
