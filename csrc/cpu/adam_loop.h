@@ -15,9 +15,10 @@
 namespace distopt {
 
 // Elements [0, n) (pointers already offset); O = NoList: no param_out; rem: the int16 remainders
-// when kRem. m and v are fp32.
-template <typename P, typename G, typename O, bool kRem>
-DISTOPT_ALWAYS_INLINE void adam_piece(P* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
+// when kRem. m and v are fp32, or bf16 (M): read widened and stored rounded to nearest even
+// (from_float), the bf16 format's store (Note [State formats]), so bf16 moments need no fp32 buffer.
+template <typename P, typename G, typename O, bool kRem, typename M = float>
+DISTOPT_ALWAYS_INLINE void adam_piece(P* __restrict p, const G* __restrict g, M* __restrict m, M* __restrict v,
                                       O* __restrict out, int16_t* __restrict rem, int64_t n, const AdamCoeffs c,
                                       const float gf) {
 #pragma GCC ivdep
@@ -28,10 +29,10 @@ DISTOPT_ALWAYS_INLINE void adam_piece(P* __restrict p, const G* __restrict g, fl
     } else {
       pj = to_float(p[j]);
     }
-    float mj = m[j], vj = v[j];
+    float mj = to_float(m[j]), vj = to_float(v[j]);
     adam_update(pj, to_float(g[j]) * gf, mj, vj, c);
-    m[j] = mj;
-    v[j] = vj;
+    m[j] = from_float<M>(mj);
+    v[j] = from_float<M>(vj);
     if constexpr (kRem) {
       split_bf16_remainder(pj, p[j], rem[j]);
     } else {

@@ -6,9 +6,11 @@
 // thread count, and a block's bits never depend on how the work is split. Per block: the moments are
 // read into fp32 buffers on the stack (bf16 widened, codes read back through the map; fp32 moments are
 // used in place), the Adam loop of adam_loop.h runs on them, and the buffers are stored back in their
-// format. With stochastic rounding a bf16 param (without remainders) is updated in an fp32 buffer too
-// and rounded with its random word; param_outs then get that rounded value. Blocks are spread over
-// torch's threads; every loop is compiled for each vector ISA (isa.h) and does the same operations.
+// format. Both moments bf16 and rounded to nearest: the Adam loop converts them in place instead (the
+// same conversions, no buffers). With stochastic rounding a bf16 param (without remainders) is updated
+// in an fp32 buffer too and rounded with its random word; param_outs then get that rounded value.
+// Blocks are spread over torch's threads; every loop is compiled for each vector ISA (isa.h) and does
+// the same operations; the 8-bit reads and the random words have hand-written AVX-512 versions.
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -53,6 +55,112 @@ DISTOPT_AVX512_TARGET void dequantize_avx512(const uint8_t* codes, const float* 
   }
   for (; j < n; ++j) out[j] = values[codes[j]] * absmax;
 }
+
+// dequantize_avx512 with AVX512-VBMI (Ice Lake, Zen 4 and later): the map as four byte tables, 64
+// codes per byte permute (two 128-byte tables and a blend on the code's top bit), the four bytes of
+// each value then interleaved back into floats. The codes are first permuted so that the interleave,
+// which works within 128-bit lanes, leaves the values in order. The same values, multiplied alike.
+#if defined(__clang__)
+#define DISTOPT_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+#else
+#define DISTOPT_VBMI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,prefer-vector-width=512")))
+#endif
+
+bool cpu_has_vbmi() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
+// Byte 16 r + 4 L + q of the codes goes to byte 16 L + 4 r + q (L: the 128-bit lane, r: which of the
+// four output vectors, q: the element within the lane's group of four).
+alignas(64) constexpr uint8_t kVbmiOrder[64] = {
+    0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+    8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // as in rounding_bits_avx512 below
+DISTOPT_VBMI_TARGET void dequantize_vbmi(const uint8_t* codes, const uint8_t (*bytes)[kCodes], const float* values,
+                                         float absmax, int64_t n, float* out) {
+  __m512i t[4][4];
+  for (int b = 0; b < 4; ++b) {
+    for (int q = 0; q < 4; ++q) t[b][q] = _mm512_loadu_si512(bytes[b] + 64 * q);
+  }
+  const __m512i order = _mm512_loadu_si512(kVbmiOrder);
+  const __m512 a = _mm512_set1_ps(absmax);
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + j));
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    __m512i by[4];
+    for (int b = 0; b < 4; ++b) {
+      by[b] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[b][0], c, t[b][1]),
+                                     _mm512_permutex2var_epi8(t[b][2], c, t[b][3]));
+    }
+    const __m512i lo01 = _mm512_unpacklo_epi8(by[0], by[1]), hi01 = _mm512_unpackhi_epi8(by[0], by[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(by[2], by[3]), hi23 = _mm512_unpackhi_epi8(by[2], by[3]);
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), a));
+    _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), a));
+    _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), a));
+    _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), a));
+  }
+  for (; j < n; ++j) out[j] = values[codes[j]] * absmax;
+}
+#pragma GCC diagnostic pop
+
+// GCC 12 warns inside its own 64-bit shift and multiply intrinsics (their undefined pass-through
+// operand) once they are inlined here; the operand is never read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// rounding_bits(key, lo + j) for j in [0, n): words 0, 1 and 2 into w0, w1, w2. Philox4x32-10 on 16
+// counters at once; a 32x32->64 multiply is two vpmuludq (even and odd lanes), so the words are the
+// scalar generator's exactly.
+DISTOPT_AVX512_TARGET void rounding_bits_avx512(const RoundingKey& key, int64_t lo, int64_t n, uint32_t* w0,
+                                               uint32_t* w1, uint32_t* w2) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  const __m512i m0 = _mm512_set1_epi64(kM0), m1 = _mm512_set1_epi64(kM1);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __mmask16 odd = 0xAAAA;
+  const __m512i pid = _mm512_set1_epi32(static_cast<int>(key.param_id)), stp = _mm512_set1_epi32(static_cast<int>(key.step));
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const uint64_t e = key.offset + static_cast<uint64_t>(lo + j);
+    const __m512i e_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e)));
+    __m512i c0 = _mm512_add_epi32(e_lo, lane);
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0, e_lo);
+    const __m512i e_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e >> 32)));
+    __m512i c1 = _mm512_mask_add_epi32(e_hi, carry, e_hi, _mm512_set1_epi32(1));
+    __m512i c2 = pid, c3 = stp;
+    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      // Products of the even lanes, then of the odd ones (their counters shifted down).
+      const __m512i p0e = _mm512_mul_epu32(m0, c0), p0o = _mm512_mul_epu32(m0, _mm512_srli_epi64(c0, 32));
+      const __m512i p1e = _mm512_mul_epu32(m1, c2), p1o = _mm512_mul_epu32(m1, _mm512_srli_epi64(c2, 32));
+      const __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p0e, 32), p0o);
+      const __m512i lo0 = _mm512_mask_blend_epi32(odd, p0e, _mm512_slli_epi64(p0o, 32));
+      const __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p1e, 32), p1o);
+      const __m512i lo1 = _mm512_mask_blend_epi32(odd, p1e, _mm512_slli_epi64(p1o, 32));
+      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
+      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
+      c0 = n0;
+      c1 = lo1;
+      c2 = n2;
+      c3 = lo0;
+      k0 += kW0;
+      k1 += kW1;
+    }
+    _mm512_storeu_si512(w0 + j, c0);
+    _mm512_storeu_si512(w1 + j, c1);
+    _mm512_storeu_si512(w2 + j, c2);
+  }
+  for (; j < n; ++j) {
+    const Philox4 r = rounding_bits(key, lo + j);
+    w0[j] = r.w[0];
+    w1[j] = r.w[1];
+    w2[j] = r.w[2];
+  }
+}
+#pragma GCC diagnostic pop
 
 // The largest bits & 0x7fffffff of x[0, n) (max_abs_bits below), 16 lanes at a time: GCC leaves that
 // reduction scalar.
@@ -106,10 +214,12 @@ struct MomentList {
   const std::vector<void*>* data;    // per entry: float, bf16 or uint8 codes
   const std::vector<void*>* scales;  // 8-bit: per entry, the fp32 absmax of each block
   const float* values;               // 8-bit: the map
+  const uint8_t (*value_bytes)[kCodes];  // 8-bit: the map as byte tables (dequantize_vbmi)
   const uint32_t* buckets;           // 8-bit: the bucket table (Note [Quantisation by buckets])
   uint32_t key_min, key_max;
   bool is_signed;
   bool avx512;  // the 8-bit loops' AVX-512 versions (else the scalar ones, which GCC vectorises less)
+  bool vbmi;    // with AVX-512: the map read by byte permutes (dequantize_vbmi)
 };
 
 struct StatesCtx {
@@ -126,10 +236,15 @@ struct StatesCtx {
 };
 
 MomentList moment_list(StateFormat format, const TensorList& data, const TensorList& scales, bool is_signed) {
-  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, 0, 0, is_signed, cpu_isa() == CpuIsa::Avx512};
+  const bool avx512 = cpu_isa() == CpuIsa::Avx512;
+  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, 0, is_signed, avx512, false};
+#if defined(DISTOPT_CPU_HAS_AVX512_PATH)
+  l.vbmi = avx512 && cpu_has_vbmi();
+#endif
   if (format == StateFormat::Blockwise8) {
     const QuantTable& t = quant_table(is_signed);
     l.values = t.values;
+    l.value_bytes = t.value_bytes;
     l.buckets = t.buckets.data();
     l.key_min = t.key_min;
     l.key_max = t.key_max;
@@ -153,6 +268,10 @@ DISTOPT_ALWAYS_INLINE float* read_moment(const MomentList& l, int64_t i, int64_t
       const float absmax = static_cast<const float*>((*l.scales)[i])[block];
       const float* __restrict values = l.values;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
+      if (l.vbmi) {
+        dequantize_vbmi(codes, l.value_bytes, values, absmax, n, buf);
+        return buf;
+      }
       if (l.avx512) {
         dequantize_avx512(codes, values, absmax, n, buf);
         return buf;
@@ -226,6 +345,8 @@ struct StatesRange {
     // Random words only where a bf16 store takes them (Philox is the costliest part of a rounded update).
     const bool bits_needed = sr && (kRoundParam || ctx->m.format == StateFormat::BFloat16 ||
                                     ctx->v.format == StateFormat::BFloat16);
+    const bool direct_bf16 =
+        !sr && ctx->m.format == StateFormat::BFloat16 && ctx->v.format == StateFormat::BFloat16;
     alignas(64) float mbuf[kQuantBlock], vbuf[kQuantBlock], pbuf[kQuantBlock];
     alignas(64) uint32_t rnd[3][kQuantBlock];
     for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
@@ -253,10 +374,32 @@ struct StatesRange {
       O* out_base = nullptr;
       if constexpr (is_present<O>) out_base = static_cast<O*>(tl.lists[kParamOut].data[i]);
 
+      if (direct_bf16) {
+        // Both moments bf16, rounded to nearest: no block structure to keep, the loop converts in place.
+        const int64_t lo = (b - first) * kQuantBlock;
+        const int64_t hi = block_hi * kQuantBlock < numel ? block_hi * kQuantBlock : numel;
+        auto* m = static_cast<bf16_t*>((*ctx->m.data)[i]) + lo;
+        auto* v = static_cast<bf16_t*>((*ctx->v.data)[i]) + lo;
+        int16_t* rem = kRem ? rem_base + lo : nullptr;
+        if (is_present<O> && out_base != nullptr) {
+          adam_piece<P, G, O, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, out_base + lo, rem, hi - lo, c, gf);
+        } else {
+          adam_piece<P, G, NoList, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, nullptr, rem, hi - lo, c, gf);
+        }
+        b = first + block_hi;
+        continue;
+      }
       for (int64_t blk = b - first; blk < block_hi; ++blk) {
         const int64_t lo = blk * kQuantBlock;
         const int64_t n = numel - lo < kQuantBlock ? numel - lo : kQuantBlock;
-        if (bits_needed) {
+        bool drawn = !bits_needed;
+#if defined(DISTOPT_CPU_HAS_AVX512_PATH)
+        if (!drawn && ctx->m.avx512) {
+          rounding_bits_avx512(key, lo, n, rnd[0], rnd[1], rnd[2]);
+          drawn = true;
+        }
+#endif
+        if (!drawn) {
           for (int64_t j = 0; j < n; ++j) {
             const Philox4 r = rounding_bits(key, lo + j);
             rnd[0][j] = r.w[0];

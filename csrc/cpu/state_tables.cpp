@@ -15,6 +15,9 @@ QuantTable build(bool is_signed) {
   QuantTable t;
   t.is_signed = is_signed;
   for (int c = 0; c < kCodes; ++c) t.values[c] = dynamic_map_value(is_signed, c);
+  for (int c = 0; c < kCodes; ++c) {
+    for (int b = 0; b < 4; ++b) t.value_bytes[b][c] = static_cast<uint8_t>(float_bits(t.values[c]) >> (8 * b));
+  }
   for (int k = 0; k + 1 < kCodes; ++k) t.thresholds[k] = dynamic_map_threshold(is_signed, k);
   t.thresholds[kCodes - 1] = std::numeric_limits<float>::infinity();
   for (int k = 0; k + 1 < kCodes; ++k) {

@@ -29,6 +29,7 @@ struct QuantTable {
   uint32_t key_max;          // the key of 1.0 and above: the last bucket (every threshold below)
   std::vector<uint32_t> buckets;  // [key - key_min]: (thresholds below the key's floats) << 16 | the
                                   // low 16 bits of the threshold among them (0xFFFF: none)
+  alignas(64) uint8_t value_bytes[4][kCodes];  // byte k of each map value's bits: the map as byte tables
 };
 
 // The two maps' tables, built (and checked) once: thread-safe static initialisation.
