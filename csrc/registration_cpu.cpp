@@ -39,6 +39,8 @@ PyObject* py_best_cpu_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(distopt::cpu_isa_name(distopt::best_cpu_isa()));
 }
 
+PyObject* py_cpu_vbmi(PyObject*, PyObject*) { return PyBool_FromLong(distopt::cpu_vbmi()); }
+
 PyObject* py_cpu_isa_runs(PyObject*, PyObject*) {
   PyObject* runs = PyDict_New();
   for (distopt::CpuIsa isa : {distopt::CpuIsa::Baseline, distopt::CpuIsa::Avx2, distopt::CpuIsa::Avx512}) {
@@ -57,6 +59,8 @@ PyMethodDef methods[] = {
     {"cpu_isa", py_cpu_isa, METH_NOARGS,
      "The vector ISA the CPU kernels run with now: DISTOPT_CPU_ISA if set, else the best this CPU has."},
     {"best_cpu_isa", py_best_cpu_isa, METH_NOARGS, "The best vector ISA path this CPU and build support."},
+    {"cpu_vbmi", py_cpu_vbmi, METH_NOARGS,
+     "Whether the AVX-512 path reads 8-bit moments with AVX512-VBMI now (the CPU has it, DISTOPT_CPU_ISA auto)."},
     {"cpu_isa_runs", py_cpu_isa_runs, METH_NOARGS,
      "{isa: number of kernel ranges its compiled copy has run since the library was loaded}"},
     {nullptr, nullptr, 0, nullptr},

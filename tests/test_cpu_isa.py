@@ -64,6 +64,16 @@ def test_default_isa_is_the_best_the_cpu_flags_allow():
         assert _C.cpu_isa() == expected
 
 
+def test_vbmi_8bit_read_on_the_default_path_only():
+    """The default path reads 8-bit moments with AVX512-VBMI where the CPU has it; a forced avx512 leaves
+    it out, so the ISA comparisons of test_cpu_kernels.py run both versions of that read."""
+    with threads_and_isa(1, None):
+        assert _C.cpu_vbmi() == ("avx512vbmi" in cpu_flags() and _C.best_cpu_isa() == "avx512")
+    for isa in ISAS:
+        with threads_and_isa(1, isa):
+            assert not _C.cpu_vbmi(), isa
+
+
 @pytest.mark.parametrize("isa", [None, *ALL_ISAS], ids=lambda i: i or "default")
 def test_each_isa_runs_its_own_compiled_copy(isa):
     """Forcing a path makes every op's ranges run in that path's copy and no other (the counts the

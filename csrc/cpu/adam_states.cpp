@@ -67,11 +67,6 @@ DISTOPT_AVX512_TARGET void dequantize_avx512(const uint8_t* codes, const float* 
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,prefer-vector-width=512")))
 #endif
 
-bool cpu_has_vbmi() {
-  static const bool has = __builtin_cpu_supports("avx512vbmi");
-  return has;
-}
-
 // Byte 16 r + 4 L + q of the codes goes to byte 16 L + 4 r + q (L: the 128-bit lane, r: which of the
 // four output vectors, q: the element within the lane's group of four).
 alignas(64) constexpr uint8_t kVbmiOrder[64] = {
@@ -117,8 +112,7 @@ DISTOPT_VBMI_TARGET void dequantize_vbmi(const uint8_t* codes, const uint8_t (*b
 // scalar generator's exactly.
 DISTOPT_AVX512_TARGET void rounding_bits_avx512(const RoundingKey& key, int64_t lo, int64_t n, uint32_t* w0,
                                                uint32_t* w1, uint32_t* w2) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-  const __m512i m0 = _mm512_set1_epi64(kM0), m1 = _mm512_set1_epi64(kM1);
+  const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __mmask16 odd = 0xAAAA;
   const __m512i pid = _mm512_set1_epi32(static_cast<int>(key.param_id)), stp = _mm512_set1_epi32(static_cast<int>(key.step));
@@ -146,8 +140,8 @@ DISTOPT_AVX512_TARGET void rounding_bits_avx512(const RoundingKey& key, int64_t 
       c1 = lo1;
       c2 = n2;
       c3 = lo0;
-      k0 += kW0;
-      k1 += kW1;
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
     }
     _mm512_storeu_si512(w0 + j, c0);
     _mm512_storeu_si512(w1 + j, c1);
@@ -239,7 +233,7 @@ MomentList moment_list(StateFormat format, const TensorList& data, const TensorL
   const bool avx512 = cpu_isa() == CpuIsa::Avx512;
   MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, 0, is_signed, avx512, false};
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
-  l.vbmi = avx512 && cpu_has_vbmi();
+  l.vbmi = avx512 && cpu_vbmi();
 #endif
   if (format == StateFormat::Blockwise8) {
     const QuantTable& t = quant_table(is_signed);

@@ -33,6 +33,13 @@ bool supported(CpuIsa isa) {
 
 std::atomic<int64_t> g_runs[kNumCpuIsas];
 
+// DISTOPT_CPU_ISA, or nullptr when it is unset, empty or "auto". Read per call (a few ns against an
+// op's microseconds), so a test can switch it with os.environ.
+const char* forced_isa() {
+  const char* forced = std::getenv("DISTOPT_CPU_ISA");
+  return forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0 ? nullptr : forced;
+}
+
 }  // namespace
 
 const char* cpu_isa_name(CpuIsa isa) {
@@ -52,9 +59,8 @@ CpuIsa best_cpu_isa() {
 }
 
 CpuIsa cpu_isa() {
-  // Read per call (a few ns against an op's microseconds), so a test can switch it with os.environ.
-  const char* forced = std::getenv("DISTOPT_CPU_ISA");
-  if (forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0) return best_cpu_isa();
+  const char* forced = forced_isa();
+  if (forced == nullptr) return best_cpu_isa();
   for (CpuIsa isa : {CpuIsa::Baseline, CpuIsa::Avx2, CpuIsa::Avx512}) {
     if (std::strcmp(forced, cpu_isa_name(isa)) != 0) continue;
     if (!supported(isa)) {
@@ -65,6 +71,15 @@ CpuIsa cpu_isa() {
   }
   throw std::invalid_argument(std::string("DISTOPT_CPU_ISA=") + forced +
                               ": expected auto, baseline, avx2 or avx512");
+}
+
+bool cpu_vbmi() {
+#if defined(DISTOPT_CPU_HAS_AVX512_PATH)
+  static const bool has = supported(CpuIsa::Avx512) && __builtin_cpu_supports("avx512vbmi");
+  return has && forced_isa() == nullptr;
+#else
+  return false;
+#endif
 }
 
 void note_cpu_isa_run(CpuIsa isa) { g_runs[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed); }

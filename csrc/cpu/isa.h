@@ -9,7 +9,9 @@
 // the same bits. Neither target enables FMA contraction (the build has -ffp-contract=off), and no
 // AVX-512 approximation (rcp14, rsqrt14) or bf16 instruction (vcvtneps2bf16 flushes subnormals) is
 // used. DISTOPT_CPU_ISA=baseline|avx2|avx512 forces a path (the tests compare them); asking for one
-// this CPU lacks is an error. Other architectures build the baseline only.
+// this CPU lacks is an error. Other architectures build the baseline only. Where the CPU also has
+// AVX512-VBMI, the default path reads 8-bit moments with its byte permutes (cpu_vbmi()); a forced
+// avx512 leaves them out, so that the tests run both versions of that read.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,9 @@ CpuIsa cpu_isa();
 
 // "baseline", "avx2", "avx512".
 const char* cpu_isa_name(CpuIsa isa);
+
+// Whether the AVX-512 path may use AVX512-VBMI now: the CPU has it and DISTOPT_CPU_ISA is unset or auto.
+bool cpu_vbmi();
 
 // How many ranges each path's wrapper has run since the library was loaded (a test hook: it shows
 // which compiled copy did the work, not only which one was asked for).

@@ -154,20 +154,23 @@ DISTOPT_HD void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& l
   lo = static_cast<uint32_t>(p);
 }
 
+// Philox4x32-10's multipliers and key increments (Salmon et al., 2011); the CPU kernels' 16-lane copy
+// of the rounds (adam_states.cpp) uses them too.
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u, kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
 DISTOPT_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 DISTOPT_UNROLL
   for (int round = 0; round < 10; ++round) {
     uint32_t hi0, lo0, hi1, lo1;
-    philox_mulhilo(kM0, c0, hi0, lo0);
-    philox_mulhilo(kM1, c2, hi1, lo1);
+    philox_mulhilo(kPhiloxM0, c0, hi0, lo0);
+    philox_mulhilo(kPhiloxM1, c2, hi1, lo1);
     const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
     c0 = n0;
     c1 = lo1;
     c2 = n2;
     c3 = lo0;
-    k0 += kW0;
-    k1 += kW1;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
   }
   return Philox4{{c0, c1, c2, c3}};
 }
