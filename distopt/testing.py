@@ -83,8 +83,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             p.start()
         try:
             last_report = time.monotonic()
-            while len(results) + len(errors) < world_size and not errors:  # after an error the others may
-                try:                                                       # wait forever in a collective
+            # Stops at the first error: the other ranks may then wait forever in a collective.
+            while len(results) < world_size and not errors:
+                try:
                     rank, status, payload = queue.get(timeout=0.1)
                 except queue_module.Empty:
                     if _killed_by_signal(procs):
