@@ -108,21 +108,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                     p.kill()
                 p.join(timeout=10)
     if errors or deaths:
-        raise AssertionError("".join(f"\n--- rank {r} was killed by {name} (its stderr shows where)"
-                                     for r, name in deaths.items())
+        raise AssertionError("".join(f"\n--- rank {r} was killed by {_signal_name(code)} (its stderr shows where)"
+                                     for r, code in deaths.items())
                              + "".join(f"\n--- rank {r} raised:\n{tb}" if r >= 0 else f"\n--- {tb}"
                                        for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
 
 
-def _killed_by_signal(procs: list) -> dict[int, str]:
-    """{rank: signal name} of the ranks that have died by a signal."""
-    deaths = {}
-    for r, p in enumerate(procs):
-        code = p.exitcode
-        if code is not None and code < 0:
-            deaths[r] = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-    return deaths
+def _killed_by_signal(procs: list) -> dict[int, int]:
+    """{rank: exit code (minus the signal's number)} of the ranks that have died by a signal."""
+    return {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0}
+
+
+def _signal_name(exit_code: int) -> str:
+    return signal.Signals(-exit_code).name if -exit_code in signal.valid_signals() else f"signal {-exit_code}"
 
 
 class Outcome(NamedTuple):
@@ -158,9 +157,9 @@ def run_ranks_outcomes(fn: Callable[..., Any], world_size: int, args: tuple = ()
                     value = pickle.loads(payload) if status == "ok" else payload
                     outcomes[rank] = Outcome(status, value, time.monotonic() - start)
                 except queue_module.Empty:
-                    for r, p in enumerate(procs):  # killed by a signal: no report will come
-                        if r not in outcomes and p.exitcode is not None and p.exitcode < 0:
-                            outcomes[r] = Outcome("died", p.exitcode, time.monotonic() - start)
+                    for r, code in _killed_by_signal(procs).items():  # no report will come
+                        if r not in outcomes:
+                            outcomes[r] = Outcome("died", code, time.monotonic() - start)
         finally:
             for p in procs:
                 if p.is_alive():
