@@ -5,10 +5,12 @@ holds the options and the per-param rule FusedAdam shares with DistributedFusedA
 State (``opt.state[p]``): ``exp_avg`` / ``exp_avg_sq`` in their format, shaped like the param and in
 its memory format (as the fp32 ones); an 8-bit moment has uint8 codes there and its float32 absmax
 scales, one per 256 elements counted in the param's memory order from its first element, under
-``exp_avg_absmax`` / ``exp_avg_sq_absmax``. With ``stochastic_rounding`` each param group holds its
-``rounding_seed`` (drawn once by ``moment_formats.draw_seed``; every group of one optimizer gets the
-same), so a state dict carries it and a resumed run rounds as the uninterrupted one would. A param's
-rounding key is (seed, step, its position in param_groups order, element index).
+``exp_avg_absmax`` / ``exp_avg_sq_absmax``; state dicts hold the codes under ``exp_avg_codes`` /
+``exp_avg_sq_codes`` instead (moment_formats.CODES_KEYS: never taken for values). With
+``stochastic_rounding`` each param group holds its ``rounding_seed`` (drawn once by
+``moment_formats.draw_seed``; every group of one optimizer gets the same), so a state dict carries it
+and a resumed run rounds as the uninterrupted one would. A param's rounding key is (seed, step, its
+position in param_groups order, element index).
 
 DTensor params: bf16 moments go as fp32 ones do. 8-bit moments and stochastic rounding count blocks
 and rounding keys from the param's first element, so each rank's shard must be one contiguous range

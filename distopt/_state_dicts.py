@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
 from .dtensor import is_dtensor, placed_like
+from .moment_formats import moments_named
 
 RESTORED = ("betas", "eps", "weight_decay")
 
@@ -83,7 +84,8 @@ def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dic
 
 def saved_state_by_param(groups: list[dict[str, Any]], state_dict: Any, where: str) -> list[tuple[Tensor, Any]]:
     """(param, its saved state) for every entry of a torch-format state dict (``state`` keyed by the
-    saved groups' param ids), after checking the saved groups against `groups`."""
+    saved groups' param ids), after checking the saved groups against `groups`; 8-bit codes saved under
+    their own keys are back under their moment's (``moment_formats.moments_named``)."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"{where}: expected a dict, got {type(state_dict).__name__}")
     saved_groups = state_dict.get("param_groups")
@@ -97,7 +99,7 @@ def saved_state_by_param(groups: list[dict[str, Any]], state_dict: Any, where: s
     missing = [key for key in saved_state if key not in id_map]
     if missing:
         raise ValueError(f"loaded state refers to param {missing[0]!r}, which no param group holds")
-    return [(id_map[key], saved) for key, saved in saved_state.items()]
+    return [(id_map[key], moments_named(saved)) for key, saved in saved_state.items()]
 
 
 def convert_param_state(p: Tensor, saved: Any, *, master: bool, new: Callable[[Tensor], Tensor],

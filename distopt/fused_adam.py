@@ -24,7 +24,7 @@ from ._validation import (
     weight_decay_mode,
 )
 from .grad_scaling import GradScaling, count_step
-from .moment_formats import ABSMAX_KEYS, MomentFormats, saved_seeds
+from .moment_formats import ABSMAX_KEYS, MomentFormats, codes_keyed, saved_seeds
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
@@ -71,15 +71,13 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         then train unbiasedly) rounds stochastically, keyed by ``group["rounding_seed"]`` (saved in state
         dicts): reproducible. Both: distopt/_moment_state.py (DTensors; state dicts, AdamW's fp32 format).
 
-    The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state
-    step does no Python work per param, only whole-list checks that the gradients are as planned;
-    adding groups, loading state or changing a param's dtype rebuilds them.
+    The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state step
+    does no Python work per param; adding groups, loading state or changing a param's dtype rebuilds them.
 
     Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
-    count: lr and the steps reach the kernel as tensors it reads on the device, and the state is created
-    outside the graph (``_init_group``). A float lr changed by a scheduler costs one recompile, when
-    Dynamo first sees it change (it guards on every float in ``param_groups``, as for torch.optim);
-    a tensor lr (``lr=torch.tensor(1e-3)``, updated in place by schedulers) costs none.
+    count: lr and the steps reach the kernel as tensors, and the state is created outside the graph
+    (``_init_group``). A float lr changed by a scheduler costs one recompile (Dynamo guards on every float
+    in ``param_groups``); a tensor lr (``lr=torch.tensor(1e-3)``, updated in place) costs none.
 
     Params: float32, float16, bfloat16, and complex64/complex32, stepped as their real views as AdamW
     steps them (the same numbers). Any strides: a param that is not dense in memory (a slice such as
@@ -92,11 +90,10 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
-    format, contiguous for one that is not dense), so state dicts move between this class and
-    ``torch.optim.AdamW`` both ways, ``param_names`` (``named_parameters()``) kept as torch keeps them.
+    format), so state dicts move between this class and ``torch.optim.AdamW`` both ways.
 
     DTensor params (FSDP2, HSDP, tensor parallelism) are updated on their local shards; their state is
-    DTensors laid out as they are, and norms count each element once over their meshes (distopt/dtensor.py).
+    DTensors laid out as they are; norms count each element once over their meshes (distopt/dtensor.py).
 
     Works with the stock ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands over the scale and the
     inf flag; the unscale is folded into the update and a step with inf/nan grads changes nothing.
@@ -471,16 +468,19 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         self.__dict__.setdefault("_moments", MomentState(MomentFormats()))  # pickled before the formats existed
 
     @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``.
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's; an 8-bit moment's codes under a key of their own (moment_formats.CODES_KEYS)."""
+        sd = super().state_dict()
+        return {**sd, "state": {k: codes_keyed(e) for k, e in sd["state"].items()}}
 
-        Moments are kept in fp32 whatever dtype they were saved in (torch saves them in the param
-        dtype); a missing ``param`` is taken from the current param. lr, betas, eps, weight_decay,
-        maximize and the weight-decay switch come back (a torch group's ``decoupled_weight_decay`` sets
-        ``adam_w_mode``); foreach, fused and capturable stay this optimizer's. Everything is checked
-        before anything changes. Load-state-dict pre and post hooks run as in torch.optim: a pre hook
-        gets a shallow copy of ``state_dict`` and may return a replacement; post hooks run after loading.
-        """
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``: moments in this
+        optimizer's formats, whatever format they were saved in; a missing ``param`` is taken from the
+        current param. lr, betas, eps, weight_decay, maximize and the weight-decay switch come back (a
+        torch group's ``decoupled_weight_decay`` sets ``adam_w_mode``); foreach, fused and capturable stay
+        this optimizer's. Everything is checked before anything changes. Pre and post hooks run as in
+        torch.optim: a pre hook gets a shallow copy of ``state_dict`` and may return a replacement."""
         load_with_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:

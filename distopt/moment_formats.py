@@ -132,6 +132,45 @@ def saved_seeds(saved_groups: list[Any]) -> list[int | None]:
 # The state keys of the absmax scales of an 8-bit moment, next to the moment's own key.
 ABSMAX_KEYS = {"exp_avg": "exp_avg_absmax", "exp_avg_sq": "exp_avg_sq_absmax"}
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # which map each moment's codes use
+# An 8-bit moment's codes in a state dict: under a key of their own, never the moment's. A loader that
+# expects values under ``exp_avg`` (torch.optim.AdamW, an fp32 or bf16 optimizer, and
+# torch.distributed.checkpoint, which casts whatever it reads into its template's dtype) then finds the
+# key missing and says so, instead of taking the codes 0..255 for moments.
+CODES_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
+
+
+def codes_keyed(entry: Any) -> Any:
+    """A per-param state (``opt.state[p]``, where 8-bit codes sit under the moment's key) as state dicts
+    hold it: each 8-bit moment's codes under ``CODES_KEYS`` (a new dict; `entry` is not changed)."""
+    if not isinstance(entry, dict) or not any(_is_codes(entry.get(n)) for n in CODES_KEYS):
+        return entry
+    return {CODES_KEYS[k] if k in CODES_KEYS and _is_codes(v) else k: v for k, v in entry.items()}
+
+
+def moments_named(entry: Any) -> Any:
+    """The inverse of ``codes_keyed`` for a saved per-param state (a new dict), checked: codes must be
+    uint8 and not come with a moment of the same name. An entry with codes under the moment's own key
+    (state dicts saved before ``CODES_KEYS``) is returned as it is."""
+    if not isinstance(entry, dict) or not any(k in entry for k in CODES_KEYS.values()):
+        return entry
+    out = dict(entry)
+    for name, key in CODES_KEYS.items():
+        if key not in out:
+            continue
+        if name in out:
+            raise ValueError(f"a saved state holds both {name!r} and {key!r}: one moment, two values")
+        if not _is_codes(out[key]):
+            raise ValueError(f"saved {key!r} must be a uint8 tensor of 8-bit codes, got {_describe(out[key])}")
+        out[name] = out.pop(key)
+    return out
+
+
+def _is_codes(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.uint8
+
+
+def _describe(value: Any) -> str:
+    return f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
 
 
 def _memory_flat(t: Tensor) -> Tensor:
@@ -173,7 +212,7 @@ def float32_state_dict(state_dict: dict) -> dict:
     out.pop("checksums", None)  # they describe the low-precision tensors
     out["state"] = {}
     for key, entry in state_dict["state"].items():
-        entry = dict(entry)
+        entry = dict(moments_named(entry))
         for name, absmax_key in ABSMAX_KEYS.items():
             value, scales = entry.get(name), entry.pop(absmax_key, None)
             if isinstance(value, Tensor) and value.dtype in (torch.bfloat16, torch.uint8):

@@ -1,11 +1,12 @@
 """DistributedFusedAdam's per-param state dicts with low-precision moments (checkpoint.py's hooks).
 
-``state_dict()`` holds each moment in its format, as FusedAdam's does (distopt/_moment_state.py):
-``exp_avg``/``exp_avg_sq`` shaped like the param (bf16 values, or uint8 codes) and an 8-bit moment's
-absmax scales under ``exp_avg_absmax``/``exp_avg_sq_absmax``, one per 256 elements from the param's
-first element in its memory order; ``param`` stays fp32 and param groups carry the ``rounding_seed``.
-Since 8-bit blocks never straddle shards (moments.py), these are the same bits at every world size
-and bucket size, and the two optimizers' state dicts load into each other.
+``state_dict()`` holds each moment in its format, as FusedAdam's does (distopt/_moment_state.py),
+shaped like the param: ``exp_avg``/``exp_avg_sq`` in bf16, or an 8-bit moment's uint8 codes under
+``exp_avg_codes``/``exp_avg_sq_codes`` and its absmax scales under ``exp_avg_absmax``/
+``exp_avg_sq_absmax``, one per 256 elements from the param's first element in its memory order;
+``param`` stays fp32 and param groups carry the ``rounding_seed``. Since 8-bit blocks never straddle
+shards (moments.py), these are the same bits at every world size and bucket size, and the two
+optimizers' state dicts load into each other.
 ``moment_formats.float32_state_dict`` exports one to torch.optim.AdamW's fp32 format.
 
 ``load_state_dict`` takes low-precision or fp32 moments (torch.optim.AdamW's, or another format): all
@@ -72,6 +73,8 @@ def gather_moments(opt: Any, out: list[dict[str, Tensor]], keep: bool) -> None:
                         dst = flat(out[piece.param][name])
                         first, n, src = piece.param_offset, piece.numel, piece.bucket_offset
                     dst[first : first + n].copy_(whole[src : src + n])
+    if keep:  # 8-bit codes under their own keys (moment_formats.CODES_KEYS), as FusedAdam's state dicts
+        out[:] = [mf.codes_keyed(entry) for entry in out]
 
 
 def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
@@ -82,15 +85,16 @@ def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
             or not isinstance(sd.get("param_groups"), list):
         return sd, {}, []
     seeds = mf.saved_seeds(sd["param_groups"])
+    named = {key: mf.moments_named(e) for key, e in sd["state"].items()}  # codes under the moments' keys
     lowprec = any(isinstance(e, dict) and any(isinstance(e.get(n), Tensor) and e[n].dtype in LOW for n in mf.SIGNED)
-                  for e in sd["state"].values())
+                  for e in named.values())
     if not lowprec:
         return sd, {}, seeds
     if CHECKSUMS in sd:  # they describe the saved (low-precision) tensors
         check_state_checksums(sd["state"], sd[CHECKSUMS])
     out = {k: v for k, v in sd.items() if k != CHECKSUMS}
     out["state"], exact = {}, {}
-    for key, entry in sd["state"].items():
+    for key, entry in named.items():
         entry = dict(entry) if isinstance(entry, dict) else entry
         for name, signed in mf.SIGNED.items() if isinstance(entry, dict) else ():
             value, scales = entry.get(name), entry.pop(mf.ABSMAX_KEYS[name], None)
