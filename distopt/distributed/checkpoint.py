@@ -135,7 +135,6 @@ def state_dict(opt: ShardedOptimizer, gather_on_rank0: bool = False, sharded: bo
     if sharded is None:
         sharded = dcp_sharded.active(opt)
     if sharded:
-        moment_checkpoint.check_sharded(opt)
         if gather_on_rank0:
             raise ValueError("state_dict(gather_on_rank0=True) gathers the whole state on rank 0; the sharded form "
                              "(sharded=True, or inside sharded_state_dicts) gathers nothing: choose one")

@@ -6,7 +6,11 @@ whole state (gathered over the ranks, loadable by torch.optim.AdamW). Inside
 ``sharded_state_dicts(opt)`` (or with ``opt.state_dict(sharded=True)``) it is instead torch.optim's
 structure with, for ``param``, ``exp_avg`` and ``exp_avg_sq``, a ``ShardedParamState`` per param: a
 tensor of the param's shape that holds only this rank's elements of it, as views of the optimizer's
-shard (no copy; only the fp32 masters of 16-bit params without stored ones are computed). A shard is a
+shard (no copy; only the fp32 masters of 16-bit params without stored ones are computed). Low-precision
+moments keep their format and ``state_dict()``'s keys (``state_keys``): bf16 values, or an 8-bit
+moment's codes and absmax scales, whose 256-element blocks never straddle two ranks; so dcp.load
+reshards them bit for bit, and a checkpoint in another format fails at its missing keys (bf16 and fp32
+values convert as DCP casts them: to nearest, as a state dict's load quantises). A shard is a
 flat range of each param (layout.py), which DTensor placements cannot express; boxes.py cuts it into
 boxes, and ``ShardedParamState`` hands them to torch.distributed.checkpoint through its
 ``_Checkpointable`` protocol, as DTensor does. dcp.save writes each rank's boxes; dcp.load reads, into
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .. import moment_formats as mf
+from ..state_formats import QUANT_BLOCK
 from .boxes import Box, box_view, boxes, memory_order
 from .state_view import fragment_master
 from .tensor_parallel import chunk_origin
@@ -42,7 +48,6 @@ from .tensor_parallel import chunk_origin
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import ShardedOptimizer
 
-STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # optimizer -> nesting depth
 
 
@@ -83,9 +88,10 @@ def exact_storage(t: Tensor) -> Tensor:
 
 
 class ShardedParamState(Tensor):
-    """One state tensor of one param (fp32, the param's shape) of which this rank holds the flat ranges
-    (in the param's memory order) given as ``ranges``: [(first element, 1-D values)], views of the
-    optimizer's shard. For a DTensor param, the ranges are of this rank's local chunk of it (of
+    """One state tensor of one param (the param's shape; fp32, or a moment's bf16 values or 8-bit codes;
+    or a 1-D one of an 8-bit moment's absmax scales) of which this rank holds the flat ranges (in the
+    param's memory order) given as ``ranges``: [(first element, 1-D values)], views of the optimizer's
+    shard. For a DTensor param, the ranges are of this rank's local chunk of it (of
     ``local_shape`` and ``stride``, at offsets ``origin`` in the param's global ``shape``). Implements
     torch.distributed.checkpoint's ``_Checkpointable`` protocol; anything else raises a TypeError.
 
@@ -106,8 +112,9 @@ class ShardedParamState(Tensor):
     def __new__(
         cls, shape: torch.Size, stride: tuple[int, ...], device: torch.device, ranges: list[tuple[int, Tensor]],
         local_shape: tuple[int, ...] | None = None, origin: tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> ShardedParamState:
-        self = Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32, device=device)
+        self = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         self._local_shape = tuple(shape if local_shape is None else local_shape)
         self._origin = tuple(origin) if origin is not None else (0,) * len(shape)
         self._stride = tuple(stride)
@@ -148,7 +155,7 @@ class ShardedParamState(Tensor):
     # ---------------------------------------------------------------- torch.distributed.checkpoint
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        properties = TensorProperties(dtype=torch.float32)
+        properties = TensorProperties(dtype=self.dtype)
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(self._at(box)), i),
@@ -201,37 +208,72 @@ class ShardedParamState(Tensor):
     def memory_order(self) -> tuple[int, ...]:
         return self._order
 
+    def mapped(self, fn: Callable[[int, Tensor], Tensor], dtype: torch.dtype) -> ShardedParamState:
+        """A ShardedParamState of the same param and layout, in `dtype`, whose range at `first` holds
+        ``fn(first, values)`` (e.g. 8-bit codes read as fp32)."""
+        return ShardedParamState(self.shape, self._stride, self.device,
+                                 [(first, fn(first, values)) for first, values in self._ranges],
+                                 self._local_shape, self._origin, dtype)
+
 
 # ---------------------------------------------------------------------- the optimizer's side
 
 
 def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
     """The ``state`` of the sharded form: per param (keyed by its position in param_groups), ``step`` (a
-    float32 scalar, as torch.optim's) and a ShardedParamState per key. Builds the bucket layout where
-    there is none yet (a collective: every rank calls it)."""
+    float32 scalar, as torch.optim's) and a ShardedParamState per key (``state_keys``). Builds the bucket
+    layout where there is none yet (a collective: every rank calls it)."""
     buckets = opt.shard_buckets()
     params, tensors = opt.checkpoint_params(), opt.checkpoint_tensors()
-    ranges: list[dict[str, list[tuple[int, Tensor]]]] = [{k: [] for k in STATE_KEYS} for _ in params]
+    ranges: list[dict[str, list[tuple[int, Tensor]]]] = [{} for _ in params]
     for b in buckets:
         for f in b.fragments:
-            values = {
-                "param": fragment_master(b, f, tensors),
-                "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
-                "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel],
-            }
-            for key in STATE_KEYS:
-                ranges[f.param][key].append((f.param_offset, values[key].detach()))
+            pieces = {"param": (f.param_offset, fragment_master(b, f, tensors)), **_moment_pieces(b, f)}
+            for key, (first, values) in pieces.items():
+                ranges[f.param].setdefault(key, []).append((first, values.detach()))
     step = float(opt.step_count)
     device = buckets[0].state.exp_avg.device if buckets else params[0].device  # the host, with offload
     state: dict[int, dict[str, Tensor]] = {}
     for g, p, t, held in zip(opt.checkpoint_indices(), params, tensors, ranges):
         state[g] = {"step": torch.tensor(step)}
-        for key in STATE_KEYS:
-            if p.numel() == 0:  # no rank holds any of it: a plain empty tensor, saved once
-                state[g][key] = torch.zeros(p.shape, dtype=torch.float32)
+        for key, dtype in state_keys(opt, p).items():
+            if key in mf.ABSMAX_KEYS.values():  # one fp32 scale per 256-element block (never a DTensor's)
+                blocks = torch.Size([mf.num_blocks(p.numel())])
+                state[g][key] = ShardedParamState(blocks, (1,), device, held.get(key, []), dtype=dtype)
+            elif p.numel() == 0:  # no rank holds any of it: a plain empty tensor, saved once
+                state[g][key] = torch.zeros(p.shape, dtype=dtype)
             else:  # a DTensor param's: ranges of this rank's local chunk t, placed in the whole param
-                state[g][key] = ShardedParamState(p.shape, t.stride(), device, held[key], t.shape, chunk_origin(p))
+                state[g][key] = ShardedParamState(p.shape, t.stride(), device, held.get(key, []), t.shape,
+                                                  chunk_origin(p), dtype)
     return state
+
+
+def state_keys(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
+    """A param's state keys in the sharded form and their dtypes: ``param`` (fp32) and each moment in its
+    format, as in ``state_dict()``: fp32 or bf16 values under the moment's name, or an 8-bit moment's
+    codes (uint8) and absmax scales (fp32) under ``moment_formats.CODES_KEYS`` and ``ABSMAX_KEYS``."""
+    out = {"param": torch.float32}
+    formats = mf.MomentFormats(opt.exp_avg_dtype, opt.exp_avg_sq_dtype, opt.stochastic_rounding)
+    for name, dtype in zip(mf.SIGNED, formats.dtypes(p.numel())):
+        out[mf.CODES_KEYS[name] if dtype == torch.uint8 else name] = dtype
+        if dtype == torch.uint8:
+            out[mf.ABSMAX_KEYS[name]] = torch.float32
+    return out
+
+
+def _moment_pieces(b: Any, f: Any) -> dict[str, tuple[int, Tensor]]:
+    """A fragment's moments as ``state_keys`` names them: key -> (first element, or block, in the param;
+    the shard's values there). 8-bit fragments start on a block (moments.py), so their scales are the
+    param's blocks from ``param_offset // 256``."""
+    out = {}
+    for name in mf.SIGNED:
+        state, scales = getattr(b.state, name), getattr(b.state, f"{name}_scales")
+        out[mf.CODES_KEYS[name] if state.dtype == torch.uint8 else name] = (
+            f.param_offset, state[f.shard_offset : f.shard_offset + f.numel])
+        if scales is not None:
+            first = f.shard_offset // QUANT_BLOCK
+            out[mf.ABSMAX_KEYS[name]] = (f.param_offset // QUANT_BLOCK, scales[first : first + mf.num_blocks(f.numel)])
+    return out
 
 
 def check_covers(opt: ShardedOptimizer, per_param: dict[int, dict[str, Tensor]]) -> None:

@@ -28,6 +28,7 @@ from .. import moment_formats as mf
 from .._state_dicts import CHECKSUMS, check_state_checksums
 from ..state_formats import QUANT_BLOCK
 from .buckets import flat
+from .dcp_sharded import ShardedParamState
 
 LOW = (torch.bfloat16, torch.uint8)
 # (param position in param_groups) -> {moment name: (saved state in the param's memory order, absmax)}
@@ -104,11 +105,35 @@ def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
                                                or scales.numel() != mf.num_blocks(value.numel())):
                 raise ValueError(f"state {name!r} of param {key!r} is 8-bit: it needs {mf.ABSMAX_KEYS[name]!r}, "
                                  f"{mf.num_blocks(value.numel())} float32 absmax scales")
+            if isinstance(value, ShardedParamState):  # this rank's ranges (a sharded state dict)
+                entry[name] = value.mapped(_range_reader(value, scales, signed, f"{name!r} of param {key!r}"),
+                                           torch.float32)
+                kept = scales.mapped(lambda _, v: v.clone(), scales.dtype) if value.dtype == torch.uint8 else None
+                exact.setdefault(key, {})[name] = (value.mapped(lambda _, v: v.clone(), value.dtype), kept)
+                continue  # (copies: the ranges may be views of the shards the load rewrites)
             scales = scales.float().reshape(-1).cpu() if value.dtype == torch.uint8 else None
             entry[name] = mf.layout_to_float32(value.cpu(), scales, signed)
             exact.setdefault(key, {})[name] = (value.cpu(), scales)
         out["state"][key] = entry
     return out, exact, seeds
+
+
+def _range_reader(value: ShardedParamState, scales: Any, signed: bool, what: str) -> Callable[[int, Tensor], Tensor]:
+    """For ``ShardedParamState.mapped``: a range of `value` (bf16 values or 8-bit codes starting on a
+    block) read as fp32 with the scales of its blocks, which `scales` must hold (a ShardedParamState)."""
+
+    def read(first: int, values: Tensor) -> Tensor:
+        blocks = None
+        if values.dtype == torch.uint8:
+            held = scales.values(first // QUANT_BLOCK, mf.num_blocks(values.numel())) \
+                if isinstance(scales, ShardedParamState) and first % QUANT_BLOCK == 0 else None
+            if held is None:
+                raise ValueError(f"the sharded state {what} holds 8-bit codes from element {first} without the "
+                                 "absmax scales of their blocks")
+            blocks = held.float()
+        return mf.to_float32(values, blocks, signed)
+
+    return read
 
 
 def restore(opt: Any, exact: Exact, position_of: Callable[[Any], int | None], seeds: list[int | None]) -> None:
@@ -125,20 +150,28 @@ def restore(opt: Any, exact: Exact, position_of: Callable[[Any], int | None], se
             for f in b.fragments:
                 saved = by_position.get(index[f.param], {}).get(name)
                 p = params[f.param]
-                if saved is None or saved[0].dtype != state.dtype or saved[0].stride() != p.stride():
-                    continue  # quantised from fp32 by write_state
+                if saved is None or saved[0].dtype != state.dtype or (
+                        not isinstance(saved[0], ShardedParamState) and saved[0].stride() != p.stride()):
+                    continue  # quantised from fp32 by write_state (a ShardedParamState's order: check_covers)
                 values, absmax = saved
-                state[f.shard_offset : f.shard_offset + f.numel].copy_(flat(values)[f.param_offset :][: f.numel])
+                state[f.shard_offset : f.shard_offset + f.numel].copy_(_held(values, f.param_offset, f.numel))
                 if scales is not None:
                     first, n = f.param_offset // QUANT_BLOCK, mf.num_blocks(f.numel)
-                    scales[f.shard_offset // QUANT_BLOCK :][:n].copy_(absmax[first : first + n])
+                    scales[f.shard_offset // QUANT_BLOCK :][:n].copy_(_held(absmax, first, n))
+
+
+def _held(saved: Tensor, first: int, n: int) -> Tensor:
+    """Elements [first, first + n) of a saved tensor in its memory order: a whole one's, or this rank's
+    (a ShardedParamState's, which split and check_covers saw it holds)."""
+    return saved.values(first, n) if isinstance(saved, ShardedParamState) else flat(saved)[first : first + n]
 
 
 def check_sharded(opt: Any) -> None:
-    """Refuses (every rank alike, before any collective) the sharded forms (``state_dict(sharded=True)``,
-    ``save``/``load`` through torch.distributed.checkpoint) with low-precision moments or stochastic
-    rounding, which they do not hold yet: never an fp32 state silently cast into codes, or a lost seed."""
+    """Refuses (every rank alike, before any collective) ``checkpoint.save``/``load`` (distopt's own
+    sharded checkpoint files) with low-precision moments or stochastic rounding, which they do not hold
+    yet: never an fp32 state silently cast into codes, or a lost seed."""
     if not formats(opt).plain:
-        raise NotImplementedError("DistributedFusedAdam: sharded checkpoints (state_dict(sharded=True), "
-                                  "checkpoint.save/load) of low-precision moments or stochastic rounding are not "
-                                  "implemented yet; use state_dict()/load_state_dict()")
+        raise NotImplementedError("DistributedFusedAdam: checkpoint.save/load of low-precision moments or "
+                                  "stochastic rounding is not implemented yet; use torch.distributed.checkpoint "
+                                  "(dcp.save/dcp.load of get_state_dict inside sharded_state_dicts(opt), or "
+                                  "state_dict(sharded=True)) or state_dict()/load_state_dict()")

@@ -311,9 +311,7 @@ def refused_load(rank: int, world_size: int, sd: dict, path) -> None:
     with pytest.raises(ValueError, match="absmax"), torch.no_grad():
         opt.load_state_dict(sd)
     with pytest.raises(NotImplementedError, match="not implemented yet"):
-        opt.state_dict(sharded=True)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        checkpoint.save(opt, str(path))
+        checkpoint.save(opt, str(path))  # distopt's own files (torch's DCP: test_dcp_lowprec.py)
     assert snapshot(opt, params) == before  # the refused load changed nothing
 
 
