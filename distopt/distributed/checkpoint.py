@@ -18,8 +18,9 @@ Two forms, both keyed by a param's position in ``param_groups`` (torch's convent
   nothing is gathered or copied, and torch.distributed.checkpoint reshards it itself.
 * ``save(opt, path, extra)`` / ``load(opt, path, extra)``: sharded through
   ``torch.distributed.checkpoint``: each rank writes only the contiguous ranges of each param it
-  owns, in the param's memory order, each with its CRC-32 under its own key, plus the CRC-32 of
-  every tensor in `extra`; on load each rank reads just the saved ranges that overlap its new ones.
+  owns, in the param's memory order (low-precision moments in their format), each with its CRC-32
+  under its own key, plus the CRC-32 of every tensor in `extra`; on load each rank reads just the
+  saved ranges that overlap its new ones (sharded_files.py).
   Crash-consistent: written beside the path and switched in atomically (atomic_replace.py).
 
 Loading is all or nothing. It checks the format, param count, shapes, coverage and (where the
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 import zlib
 from collections.abc import Callable
@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: catch it by name
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .._state_dicts import (
@@ -61,7 +61,7 @@ from .._state_dicts import (
     state_checksums,
     tensor_crc32,
 )
-from . import atomic_replace, dcp_sharded, moment_checkpoint
+from . import atomic_replace, dcp_sharded, moment_checkpoint, sharded_files
 from .agreement import raise_together
 from .atomic_replace import describe
 from .buckets import BucketRuntime, flat
@@ -77,14 +77,12 @@ from .checkpoint_extra import (
 )
 from .comm import Comm
 from .dcp_sharded import ShardedParamState, sharded_state_dicts  # noqa: F401 (re-exported: the public name)
+from .sharded_files import SHARDED_FORMAT
 from .state_view import fragment_master
-from .tensor_parallel import check_saved_layout, checkpoint_group, chunk_name, layout_text, local_value, param_state
+from .tensor_parallel import checkpoint_group, chunk_name, layout_text, local_value, param_state
 
 FORMAT = "distopt.per_param.v1"
-SHARDED_FORMAT = "distopt.sharded.v2"
-UNVERIFIED_SHARDED_FORMAT = "distopt.sharded.v1"  # before checksums
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-_FRAGMENT_KEY = re.compile(r"^optim\.state\.(\d+(?:@\d+(?:_\d+)*)?)\.(param|exp_avg|exp_avg_sq)\.(\d+)$")
 
 # A source of saved values: (param index in param_groups, state key, first element in memory order,
 # count) -> a 1-D fp32 CPU tensor, or None where the checkpoint holds nothing for that param.
@@ -307,8 +305,7 @@ def _apply(opt: ShardedOptimizer, source: Source, step: int, saved_groups: list[
 def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """This rank's part of the checkpoint for torch.distributed.checkpoint: each owned range of each
     param's state under ``state.<param>.<key>.<first element>`` and its CRC-32 under ``checksum.<param>...``
-    (<param>: tensor_parallel.chunk_name), plus what every rank shares (``meta``)."""
-    moment_checkpoint.check_sharded(opt)
+    (<param>: tensor_parallel.chunk_name; the keys: sharded_files.py), plus what every rank shares (``meta``)."""
     buckets = opt.shard_buckets()
     index, params, tensors = opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()
     names = [chunk_name(g, p) for g, p in zip(index, params)]
@@ -319,12 +316,9 @@ def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             # only the masters of 16-bit params without stored ones are computed here. CPU views go
             # through exact storages, which dcp's file writer does not clone (dcp_sharded.exact_storage);
             # it copies GPU tensors to the CPU, keeping the copies until the rank's file is closed.
-            values = {"param": fragment_master(b, f, tensors),
-                      "exp_avg": b.state.exp_avg[f.shard_offset : f.shard_offset + f.numel],
-                      "exp_avg_sq": b.state.exp_avg_sq[f.shard_offset : f.shard_offset + f.numel]}
-            for key in STATE_KEYS:
-                name = f"{names[f.param]}.{key}.{f.param_offset}"
-                out[f"state.{name}"] = t = dcp_sharded.exact_storage(values[key].detach())
+            for key, (first, values) in dcp_sharded.fragment_pieces(b, f, tensors).items():
+                name = f"{names[f.param]}.{key}.{first}"
+                out[f"state.{name}"] = t = dcp_sharded.exact_storage(values.detach())
                 out[f"checksum.{name}"] = torch.tensor([tensor_crc32(t)], dtype=torch.int64)
     # One leaf (JSON text): torch.distributed.checkpoint would otherwise flatten the nested structure.
     body = json.dumps({
@@ -358,9 +352,9 @@ def save(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
 def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None = None) -> None:
     """Sharded load under any world size: each rank reads the saved ranges overlapping its own, and
     `extra` (e.g. ``{"model": model.state_dict()}``), into fresh tensors; once everything is checked
-    on every rank, copies `extra` into the caller's tensors and loads the optimizer. Every rank reads
-    the version rank 0 finds at `checkpoint_id`; leftovers of killed saves beside it are ignored."""
-    moment_checkpoint.check_sharded(opt)
+    on every rank, copies `extra` into the caller's tensors and loads the optimizer (in its own moment
+    formats, whatever the saved ones). Every rank reads the version rank 0 finds at `checkpoint_id`;
+    leftovers of killed saves beside it are ignored."""
     group = checkpoint_group(opt)
     checkpoint_id = atomic_replace.resolve(checkpoint_id, group)
     extra = {} if extra is None else extra
@@ -378,24 +372,14 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
         dcp.load(meta_holder, checkpoint_id=checkpoint_id, process_group=group)
     except CheckpointException as exc:
         raise ValueError(f"{checkpoint_id}: the optimizer metadata cannot be read ({describe(exc)})") from exc
-    meta, verified = _parse_meta(meta_holder["optim"]["meta"], checkpoint_id)
+    meta, verified = sharded_files.parse_meta(meta_holder["optim"]["meta"], checkpoint_id)
     check_saved_groups(opt.param_groups, meta["param_groups"])
-    saved = _saved_fragments(md)
-    _check_coverage(opt, checkpoint_id, meta, saved, md if verified else None)
+    saved = sharded_files.saved_fragments(md)
+    sharded_files.check_coverage(opt, checkpoint_id, meta, saved, md if verified else None)
     _check_extra(targets, md, checkpoint_id)
 
     # Read everything into fresh tensors: dcp.load writes in place, and may fail halfway.
-    index = opt.checkpoint_indices()
-    names = {g: chunk_name(g, p) for g, p in zip(index, opt.checkpoint_params())}
-    needed: dict[str, Any] = {}
-    for b in opt.shard_buckets():
-        for f in b.fragments:
-            for key in STATE_KEYS:
-                for start, n in _overlapping(saved[(names[index[f.param]], key)], f.param_offset, f.numel):
-                    name = f"{names[index[f.param]]}.{key}.{start}"
-                    needed[f"state.{name}"] = torch.empty(n, dtype=torch.float32)
-                    if verified:
-                        needed[f"checksum.{name}"] = torch.empty(1, dtype=torch.int64)
+    needed: dict[str, Any] = sharded_files.requests(opt, saved, md, verified)
     sums: dict[str, Tensor] = {}
     for fqn, value in _leaves(targets) if verified else ():
         entry = md.state_dict_metadata.get(f"optim.extra_checksum.{fqn}")
@@ -418,6 +402,8 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
     mismatch = f"{len(bad)} saved tensor(s) do not match their checksums ({', '.join(bad[:4])})" if bad else None
     raise_together(group, mismatch, f"{checkpoint_id}: the checkpoint is corrupted; nothing was loaded")
 
+    optim = sharded_files.as_state_dict(opt, needed, saved, meta)  # the sharded form, which load_state_dict takes
+
     # Commit: the caller's `extra` (as dcp.load would have), then the optimizer.
     with torch.no_grad():
         _commit(targets, fresh)
@@ -427,73 +413,4 @@ def load(opt: ShardedOptimizer, checkpoint_id: str, extra: dict[str, Any] | None
         elif targets[k] is not v:  # a non-tensor leaf at the top, replaced as dcp.load replaces it
             extra[k] = targets[k]
 
-    def source(g: int, key: str, offset: int, numel: int) -> Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
-        for start, n in _overlapping(saved[(names[g], key)], offset, numel):
-            lo, hi = max(start, offset), min(start + n, offset + numel)
-            out[lo - offset : hi - offset] = needed[f"state.{names[g]}.{key}.{start}"][lo - start : hi - start]
-        return out
-
-    _apply(opt, source, int(meta["step"]), meta["param_groups"])
-
-
-def _parse_meta(text: str, checkpoint_id: str) -> tuple[dict[str, Any], bool]:
-    """The shared metadata, and whether the checkpoint has checksums."""
-    try:
-        outer = json.loads(text)
-        fmt = outer.get("format")
-    except (ValueError, AttributeError) as exc:
-        raise ValueError(f"{checkpoint_id}: the optimizer metadata is not valid JSON ({exc})") from exc
-    if fmt == UNVERIFIED_SHARDED_FORMAT:
-        warnings.warn(f"{checkpoint_id} was saved without checksums ({fmt}): its data is loaded unverified",
-                      stacklevel=3)
-        return outer, False
-    if fmt != SHARDED_FORMAT:
-        raise ValueError(f"{checkpoint_id}: not a distopt sharded checkpoint (format {fmt!r})")
-    body = outer.get("body")
-    if not isinstance(body, str) or zlib.crc32(body.encode()) != outer.get("crc32"):
-        raise ValueError(f"{checkpoint_id}: the optimizer metadata does not match its checksum (corrupted)")
-    return json.loads(body), True
-
-
-def _saved_fragments(md: Metadata) -> dict[tuple[str, str], list[tuple[int, int]]]:
-    """(param's chunk_name, key) -> [(first element, count)] of every range in the checkpoint."""
-    out: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for fqn, entry in md.state_dict_metadata.items():
-        m = _FRAGMENT_KEY.match(fqn)
-        if m:
-            ok = isinstance(entry, TensorStorageMetadata) and len(entry.size) == 1 \
-                and entry.properties.dtype == torch.float32
-            n = int(entry.size[0]) if ok else -1  # -1: not a range of this format, refused by the coverage check
-            out.setdefault((m.group(1), m.group(2)), []).append((int(m.group(3)), n))
-    return out
-
-
-def _check_coverage(opt: ShardedOptimizer, checkpoint_id: str, meta: dict[str, Any],
-                    saved: dict[tuple[str, str], list[tuple[int, int]]], md: Metadata | None) -> None:
-    """Every param has the saved shape, memory format and DTensor layout, and each of its state tensors
-    (a DTensor's local chunk) is tiled exactly once by saved ranges (with checksums, where `md` is given)."""
-    for g, p, t in zip(opt.checkpoint_indices(), opt.checkpoint_params(), opt.checkpoint_tensors()):
-        shape, stride = (tuple(x) for x in meta["params"].get(str(g), ((), ())))
-        if shape != tuple(p.shape):
-            raise ValueError(f"param {g} has shape {tuple(p.shape)}, the checkpoint {shape}")
-        if stride != tuple(p.stride()):
-            raise ValueError(f"param {g} was saved in another memory format (strides {stride}, now "
-                             f"{tuple(p.stride())}): load the per-param state_dict() form instead")
-        check_saved_layout(g, p, meta.get("layouts", {}).get(str(g)))
-        name = chunk_name(g, p)
-        for key in STATE_KEYS:
-            end = 0
-            for start, n in sorted(saved.get((name, key), [])):
-                if start != end or n < 0:
-                    break
-                if md is not None and f"optim.checksum.{name}.{key}.{start}" not in md.state_dict_metadata:
-                    raise ValueError(f"{checkpoint_id}: {key} of param {name} has no checksum for elements {start}+")
-                end += n
-            if end != t.numel():
-                raise ValueError(f"{checkpoint_id}: the saved {key} of param {name} does not cover its {t.numel()} "
-                                 f"elements exactly once (a 1-D float32 range each)")
-
-
-def _overlapping(ranges: list[tuple[int, int]], offset: int, numel: int) -> list[tuple[int, int]]:
-    return [(start, n) for start, n in ranges if start < offset + numel and offset < start + n]
+    load_state_dict(opt, optim)  # (checked above: formats and coverage; it converts and applies)

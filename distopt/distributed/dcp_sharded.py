@@ -228,8 +228,7 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
     ranges: list[dict[str, list[tuple[int, Tensor]]]] = [{} for _ in params]
     for b in buckets:
         for f in b.fragments:
-            pieces = {"param": (f.param_offset, fragment_master(b, f, tensors)), **_moment_pieces(b, f)}
-            for key, (first, values) in pieces.items():
+            for key, (first, values) in fragment_pieces(b, f, tensors).items():
                 ranges[f.param].setdefault(key, []).append((first, values.detach()))
     step = float(opt.step_count)
     device = buckets[0].state.exp_avg.device if buckets else params[0].device  # the host, with offload
@@ -261,11 +260,12 @@ def state_keys(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
     return out
 
 
-def _moment_pieces(b: Any, f: Any) -> dict[str, tuple[int, Tensor]]:
-    """A fragment's moments as ``state_keys`` names them: key -> (first element, or block, in the param;
-    the shard's values there). 8-bit fragments start on a block (moments.py), so their scales are the
-    param's blocks from ``param_offset // 256``."""
-    out = {}
+def fragment_pieces(b: Any, f: Any, tensors: list[Tensor]) -> dict[str, tuple[int, Tensor]]:
+    """A fragment's state as ``state_keys`` names it: key -> (first element, or block, in the param; the
+    shard's values there: views, but for the masters of 16-bit params without stored ones). 8-bit
+    fragments start on a block (moments.py), so their scales are the param's blocks from
+    ``param_offset // 256``."""
+    out = {"param": (f.param_offset, fragment_master(b, f, tensors))}
     for name in mf.SIGNED:
         state, scales = getattr(b.state, name), getattr(b.state, f"{name}_scales")
         out[mf.CODES_KEYS[name] if state.dtype == torch.uint8 else name] = (

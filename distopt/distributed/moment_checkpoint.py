@@ -164,14 +164,3 @@ def _held(saved: Tensor, first: int, n: int) -> Tensor:
     """Elements [first, first + n) of a saved tensor in its memory order: a whole one's, or this rank's
     (a ShardedParamState's, which split and check_covers saw it holds)."""
     return saved.values(first, n) if isinstance(saved, ShardedParamState) else flat(saved)[first : first + n]
-
-
-def check_sharded(opt: Any) -> None:
-    """Refuses (every rank alike, before any collective) ``checkpoint.save``/``load`` (distopt's own
-    sharded checkpoint files) with low-precision moments or stochastic rounding, which they do not hold
-    yet: never an fp32 state silently cast into codes, or a lost seed."""
-    if not formats(opt).plain:
-        raise NotImplementedError("DistributedFusedAdam: checkpoint.save/load of low-precision moments or "
-                                  "stochastic rounding is not implemented yet; use torch.distributed.checkpoint "
-                                  "(dcp.save/dcp.load of get_state_dict inside sharded_state_dicts(opt), or "
-                                  "state_dict(sharded=True)) or state_dict()/load_state_dict()")

@@ -17,7 +17,6 @@ import torch
 
 from distopt import DistributedFusedAdam, FusedAdam
 from distopt import moment_formats as mf
-from distopt.distributed import checkpoint
 from distopt.distributed import moments as moments_module
 from distopt.moment_formats import ABSMAX_KEYS
 
@@ -50,6 +49,14 @@ def grads(step: int, params: list[torch.Tensor], inf_at: int | None) -> list[tor
 def backward(params, grads) -> None:
     """A backward pass whose grads are exactly `grads` (DistributedFusedAdam takes them from its hooks)."""
     sum((p * g).sum() for p, g in zip(params, grads)).backward()
+
+
+def run_steps(opt: torch.optim.Optimizer, params, steps: range) -> None:
+    """The optimizer steps `steps` (numbered: each has its own grads)."""
+    for step in steps:
+        opt.zero_grad()
+        backward(params, grads(step, params, None))
+        opt.step()
 
 
 def options(formats, param_dtype: torch.dtype) -> dict:
@@ -224,10 +231,7 @@ def train_dfa(rank, world_size, formats, steps, first, sd=None, bucket_mb=0.01) 
             for p, q in zip(params, sd["params"]):
                 p.copy_(q)
             opt.load_state_dict(sd["optim"])
-    for step in range(first, first + steps):
-        opt.zero_grad()
-        backward(params, grads(step, params, None))
-        opt.step()
+    run_steps(opt, params, range(first, first + steps))
     return {"params": [p.detach().clone() for p in params], "optim": opt.state_dict()}
 
 
@@ -235,10 +239,7 @@ def fused_adam_state_dict(formats, steps: int) -> dict:
     params = make_params()
     torch.manual_seed(1)
     opt = FusedAdam(params, **options(formats, F32))
-    for step in range(steps):
-        opt.zero_grad()
-        backward(params, grads(step, params, None))
-        opt.step()
+    run_steps(opt, params, range(steps))
     return {"params": [p.detach().clone() for p in params], "optim": opt.state_dict()}
 
 
@@ -277,10 +278,7 @@ def adamw_round_trip(rank: int, world_size: int, adamw_sd: dict) -> dict:
 def test_adamw_state_loads_quantised_and_exports_to_fp32():
     params = make_params()
     adamw = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    for step in range(2):
-        adamw.zero_grad()
-        backward(params, grads(step, params, None))
-        adamw.step()
+    run_steps(adamw, params, range(2))
     sd = run_ranks(adamw_round_trip, 2, (adamw.state_dict(),))[0]
     for i, p in enumerate(params):
         entry = mf.moments_named(sd["state"][i])  # 8-bit codes are saved under their own keys
@@ -301,7 +299,7 @@ def test_adamw_state_loads_quantised_and_exports_to_fp32():
             assert same_bits(value, mf.layout_to_float32(entry[name], entry.get(mf.ABSMAX_KEYS[name]), signed))
 
 
-def refused_load(rank: int, world_size: int, sd: dict, path) -> None:
+def refused_load(rank: int, world_size: int, sd: dict) -> None:
     params = make_params()
     opt = DistributedFusedAdam(params, exp_avg_dtype=U8, bucket_cap_mb=0.01)
     opt.zero_grad()
@@ -310,16 +308,13 @@ def refused_load(rank: int, world_size: int, sd: dict, path) -> None:
     before = snapshot(opt, params)
     with pytest.raises(ValueError, match="absmax"), torch.no_grad():
         opt.load_state_dict(sd)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        checkpoint.save(opt, str(path))  # distopt's own files (torch's DCP: test_dcp_lowprec.py)
     assert snapshot(opt, params) == before  # the refused load changed nothing
 
 
-def test_a_refused_load_changes_nothing(tmp_path):
+def test_a_refused_load_changes_nothing():
     sd = run_ranks(train_dfa, 2, ((U8, U8, False), 1, 0))[0]["optim"]
     del sd["state"][0]["exp_avg_absmax"]
-    run_ranks(refused_load, 2, (sd, tmp_path / "ckpt"))
-    assert not (tmp_path / "ckpt").exists()
+    run_ranks(refused_load, 2, (sd,))
 
 
 def memory(rank: int, world_size: int, formats) -> dict:
