@@ -37,13 +37,9 @@ from pathlib import Path
 # blocks per SM (50% of the 2048 thread slots). These kernels stream memory; a second resident block
 # keeps loads in flight while the other block starts up (metadata, coefficients) or drains its tail.
 MAX_REGISTERS = 64
-# No local memory at all: spills and stack frames live in off-chip local memory, adding traffic to a
-# kernel whose speed is its memory traffic.
+# No local memory at all, for every kernel: spills and stack frames live in off-chip local memory, adding
+# traffic to a kernel whose speed is its memory traffic.
 MAX_LOCAL_BYTES = 0
-# Known, open exceptions to MAX_LOCAL_BYTES, per op, in bytes: the low-precision-moment kernels with
-# 16-bit params spill 4-16 B on sm_80/sm_90 (first version; the budget stays 0 and
-# tests/test_gpu_budgets.py holds a strict xfail until they meet it). Any other spill is a violation.
-LOCAL_BYTES_ALLOWED = {"adam-states": 16}
 # Kernel parameters: 4 KiB, or 32,764 B with CUDA >= 12.1 on Volta+ (csrc/cuda/kernel_params.cuh). Only
 # the large-metadata instantiations (TensorListMetadata<d, true>, CleanupMeta<true>) may exceed 4 KiB:
 # every other kernel is what runs where large parameters are refused.
@@ -390,17 +386,12 @@ def occupancy(registers: int, smem: int, block: int, lim: ArchLimits) -> tuple[i
     return blocks, blocks * warps * 32 / lim.threads_per_sm
 
 
-def local_bytes_allowed(op: str | None) -> int:
-    """The local memory (spills, stack) a kernel of ``op`` may use: MAX_LOCAL_BYTES or its known exception."""
-    return LOCAL_BYTES_ALLOWED.get(op or "", MAX_LOCAL_BYTES)
-
-
 def check(kernel: Kernel) -> None:
     """Appends every budget violation of one kernel to kernel.violations."""
     v = kernel.violations
     if kernel.registers > MAX_REGISTERS:
         v.append(f"{kernel.registers} registers > {MAX_REGISTERS} ({kernel.blocks_per_sm} block(s)/SM)")
-    if max(kernel.stack_bytes, kernel.spill_stores, kernel.spill_loads) > local_bytes_allowed(kernel.op):
+    if max(kernel.stack_bytes, kernel.spill_stores, kernel.spill_loads) > MAX_LOCAL_BYTES:
         v.append(f"local memory: {kernel.stack_bytes} B stack, {kernel.spill_stores} B spill stores, "
                  f"{kernel.spill_loads} B spill loads")
     if kernel.param_bytes is None:

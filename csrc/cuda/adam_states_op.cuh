@@ -54,6 +54,10 @@ using namespace cuda;
 using adam_detail::StatesDeviceArgs;
 
 static_assert(kChunkSize % kQuantBlock == 0, "a chunk must hold whole quantisation blocks");
+// Element and block indices within a chunk are 32-bit: 64-bit ones kept live through the 8-element loop
+// (two registers each, and 64-bit arithmetic per address) pushed the 16-bit-param variants past the
+// 64-register cap into local memory.
+static_assert(kChunkSize <= (1 << 30), "indices within a chunk are int");
 static_assert(kBlockSize % 32 == 0 && kQuantBlock == 8 * 32, "one warp, 8 elements per lane, per block");
 
 template <typename P, typename G, typename O, bool kRem, bool kCap>
@@ -86,7 +90,7 @@ struct AdamStatesOp {
   }
 
   // A moment's values of the lane's 8 elements (block elements 8 lane ... 8 lane + 7) as fp32.
-  __device__ static void read_moment(StateFormat f, const void* base, const float* map, float absmax, int64_t i,
+  __device__ static void read_moment(StateFormat f, const void* base, const float* map, float absmax, int i,
                                      float (&x)[kPer]) {
     if (f == StateFormat::Float32) {
       load_vec<kPer>(static_cast<const float*>(base) + i, x);
@@ -116,8 +120,8 @@ struct AdamStatesOp {
   // Stores the lane's 8 moment values (bf16 ones already rounded, see round_moment) in its format; an
   // 8-bit block first gets its absmax, written to scales[qb] by lane 0. Called by all 32 lanes.
   __device__ static void write_moment(StateFormat f, void* base, const float* thr, bool is_signed, float* scales,
-                                      int64_t qb, int lane, const float (&x)[kPer]) {
-    const int64_t i = qb * kQuantBlock + lane * kPer;
+                                      int qb, int lane, const float (&x)[kPer]) {
+    const int i = qb * kQuantBlock + lane * kPer;
     if (f == StateFormat::Float32) {
       store_vec<kPer>(static_cast<float*>(base) + i, x);
     } else if (f == StateFormat::BFloat16) {
@@ -186,9 +190,9 @@ struct AdamStatesOp {
 
   // A full quantisation block qb of the chunk whose lists are all aligned, by one warp: vector accesses.
   __device__ static void update_block(const Block& b, const StatesDeviceArgs& a, const AdamCoeffs& c, float gs,
-                                      const RoundingKey& key, const float (*maps)[2][kCodes], int64_t qb,
+                                      const RoundingKey& key, const float (*maps)[2][kCodes], int qb,
                                       int lane) {
-    const int64_t i = qb * kQuantBlock + lane * kPer;  // the lane's first element
+    const int i = qb * kQuantBlock + lane * kPer;  // the lane's first element
     const StateFormat mf = a.m_format, vf = a.v_format;
     const bool sr = a.stochastic_rounding;
     float m[kPer], v[kPer];
@@ -249,7 +253,7 @@ struct AdamStatesOp {
     float p, g, m, v;
   };
   __device__ static Elem load_elem(const Block& b, const StatesDeviceArgs& a, const float (*maps)[2][kCodes],
-                                   float m_absmax, float v_absmax, int64_t i, float gs) {
+                                   float m_absmax, float v_absmax, int i, float gs) {
     int16_t r = 0;
     if constexpr (kRem) r = b.rem[i];
     Elem x{param_value(b.p[i], r), to_float(b.g[i]) * gs, 0.0f, 0.0f};
@@ -268,7 +272,7 @@ struct AdamStatesOp {
 
   // A moment's value stored at i in its format (8-bit: the code of x * inv).
   __device__ static void store_moment(StateFormat f, void* base, const float* thr, bool is_signed, float inv,
-                                      int64_t i, float x) {
+                                      int i, float x) {
     switch (f) {
       case StateFormat::Float32: static_cast<float*>(base)[i] = x; break;
       case StateFormat::BFloat16: static_cast<bf16_t*>(base)[i] = from_float<bf16_t>(x); break;
@@ -284,8 +288,8 @@ struct AdamStatesOp {
   // same operations on the same inputs, so the same values, and stores everything.
   __device__ static void update_block_scalar(const Block& blk, const StatesDeviceArgs& a, const AdamCoeffs& c,
                                              float gs, const RoundingKey& key, const float (*maps)[2][kCodes],
-                                             int64_t qb, int lane, int n) {
-    const int64_t lo = qb * kQuantBlock;
+                                             int qb, int lane, int n) {
+    const int lo = qb * kQuantBlock;
     const StateFormat mf = a.m_format, vf = a.v_format;
     const bool m8 = mf == StateFormat::Blockwise8, v8 = vf == StateFormat::Blockwise8;
     const bool sr = a.stochastic_rounding;
@@ -311,7 +315,7 @@ struct AdamStatesOp {
     }
     const bool need_bits = sr && (kRoundParam || mf == StateFormat::BFloat16 || vf == StateFormat::BFloat16);
     for (int j = lane; j < n; j += 32) {
-      const int64_t i = lo + j;
+      const int i = lo + j;
       Elem x = load_elem(blk, a, maps, m_old, v_old, i, gs);
       adam_update(x.p, x.g, x.m, x.v, c);
       Philox4 r{};
@@ -411,17 +415,18 @@ struct AdamStatesOp {
     const bool aligned = is_aligned(b.p) && is_aligned(b.g) && moment_aligned(b.m, m8) && moment_aligned(b.v, v8) &&
                          (b.out == nullptr || is_aligned(b.out)) && (b.rem == nullptr || is_aligned(b.rem));
     const int lane = threadIdx.x % 32;
-    const int64_t blocks = (ch.len + kQuantBlock - 1) / kQuantBlock;
+    const int len = static_cast<int>(ch.len);  // <= kChunkSize
+    const int blocks = (len + kQuantBlock - 1) / kQuantBlock;
     // Full blocks with vector accesses, then the rest (a short last block, or every block of an unaligned
     // chunk) with scalar ones: two loops, so that neither path's registers are live in the other's.
-    const int64_t vector_blocks = aligned ? ch.len / kQuantBlock : 0;
-    const int64_t warp = threadIdx.x / 32;
-    for (int64_t qb = warp; qb < vector_blocks; qb += kWarps) {  // warp-uniform
+    const int vector_blocks = aligned ? len / kQuantBlock : 0;
+    const int warp = threadIdx.x / 32;
+    for (int qb = warp; qb < vector_blocks; qb += kWarps) {  // warp-uniform
       update_block(b, a, c, gs, key, maps, qb, lane);
     }
-    for (int64_t qb = vector_blocks + warp; qb < blocks; qb += kWarps) {
-      const int64_t left = ch.len - qb * kQuantBlock;
-      update_block_scalar(b, a, c, gs, key, maps, qb, lane, left < kQuantBlock ? static_cast<int>(left) : kQuantBlock);
+    for (int qb = vector_blocks + warp; qb < blocks; qb += kWarps) {
+      const int left = len - qb * kQuantBlock;
+      update_block_scalar(b, a, c, gs, key, maps, qb, lane, left < kQuantBlock ? left : kQuantBlock);
     }
   }
 };
