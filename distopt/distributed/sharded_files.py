@@ -105,7 +105,7 @@ def check_coverage(opt: Any, checkpoint_id: str, meta: dict[str, Any], saved: Sa
             if any(scales.get(start // QUANT_BLOCK) != mf.num_blocks(n) for start, n in saved.get((name, codes), [])):
                 raise ValueError(f"{checkpoint_id}: the {codes} of param {name} are not saved with the absmax "
                                  "scales of their blocks")
-        for key in ("param", *keys) if "param" not in keys else keys:
+        for key in dict.fromkeys(("param", *keys)):  # the master is always saved
             blocks = key in mf.ABSMAX_KEYS.values()
             end = 0
             for start, n in sorted(saved.get((name, key), [])):
