@@ -90,7 +90,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
-    format), so state dicts move between this class and ``torch.optim.AdamW`` both ways.
+    format; contiguous if not dense), so state dicts move between this class and ``torch.optim.AdamW``.
 
     DTensor params (FSDP2, HSDP, tensor parallelism) are updated on their local shards; their state is
     DTensors laid out as they are; norms count each element once over their meshes (distopt/dtensor.py).
