@@ -52,7 +52,14 @@ def eight_bit(params):
 
 
 def snapshot(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
-    return [{k: v.clone() for k, v in s.items()} for s in copy.deepcopy(list(opt.state.values()))]
+    return [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+
+
+def unchanged(before: list[dict[str, torch.Tensor]], opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt`'s state is still `before` (snapshot), key for key and bit for bit."""
+    after = snapshot(opt)
+    return len(before) == len(after) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before, after))
 
 
 def test_state_dicts_hold_codes_under_their_own_keys_and_load_both_forms():
@@ -85,8 +92,7 @@ def test_ambiguous_or_mistyped_codes_are_refused_before_anything_changes():
     floats["state"][0] = {**floats["state"][0], "exp_avg_codes": floats["state"][0]["exp_avg_codes"].float()}
     with pytest.raises(ValueError, match="uint8 tensor of 8-bit codes"):
         opt.load_state_dict(floats)
-    after = snapshot(opt)
-    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before, after))
+    assert unchanged(before, opt)
 
 
 @pytest.mark.parametrize("loader", ["FusedAdam fp32", "FusedAdam bf16", "torch AdamW"])
@@ -103,8 +109,7 @@ def test_dcp_never_reads_8bit_codes_as_moments(tmp_path, loader, monkeypatch):
     before = snapshot(opt2)
     with pytest.raises(REFUSED, match=r"Missing key .*weight\.exp_avg"):
         dcp_load(m2, opt2, tmp_path / "keyed")
-    after = snapshot(opt2)
-    assert all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before, after))
+    assert unchanged(before, opt2)
 
     monkeypatch.setattr(FusedAdam, "state_dict", torch.optim.Optimizer.state_dict)  # codes under exp_avg
     dcp_save(m, opt, tmp_path / "unkeyed")
@@ -120,8 +125,7 @@ def test_dcp_refuses_an_fp32_checkpoint_for_8bit_moments(tmp_path):
     before = snapshot(opt)
     with pytest.raises(REFUSED, match=r"Missing key .*weight\.exp_avg(_sq)?_codes"):
         dcp_load(m2, opt, tmp_path)
-    after = snapshot(opt)
-    assert all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before, after))
+    assert unchanged(before, opt)
 
 
 @pytest.mark.parametrize("saved, loaded", [(F32, BF16), (BF16, F32)])
