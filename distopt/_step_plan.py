@@ -227,8 +227,9 @@ class ShardedCall(Call):
     def of(cls, call: Call) -> ShardedCall:
         sharded = cls(**{f.name: getattr(call, f.name) for f in fields(Call)})
         sharded.held = call.state_lists()
-        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs", "exp_avg_scales", "exp_avg_sq_scales"):
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs"):
             setattr(sharded, name, [dtensor.local(t) for t in getattr(call, name)])
+        sharded.exp_avg_scales, sharded.exp_avg_sq_scales = MomentState.kernel_scales(call.entries)
         sharded.param_shards = list(map(_local, call.model_params))
         sharded.shapes = list(map(_shape, sharded.param_shards))
         sharded.strides = list(map(_stride, sharded.param_shards))

@@ -422,7 +422,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                      exp_avg_sqs=[s["exp_avg_sq"] for s in states],
                      param_outs=[e[0] for e in entries] if has_master else ())
         lists, staged = views.kernel_lists(**lists) if key[3] else (lists, ())
-        lists.update(self._moments.call_kwargs(*MomentState.scales(states), [e[3][0] for e in entries],
+        lists.update(self._moments.call_kwargs(*MomentState.kernel_scales(states), [e[3][0] for e in entries],
                                                [e[3][1] for e in entries], group))
         return lists, staged
 
