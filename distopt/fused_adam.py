@@ -477,9 +477,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``: moments in this
         optimizer's formats, whatever format they were saved in; a missing ``param`` is taken from the
-        current param. lr, betas, eps, weight_decay, maximize and the weight-decay switch come back (a
-        torch group's ``decoupled_weight_decay`` sets ``adam_w_mode``); foreach, fused and capturable stay
-        this optimizer's. Everything is checked before anything changes. Pre and post hooks run as in
+        current param. Every saved param-group key comes back as in torch.optim (``initial_lr``, user keys; a
+        torch group's ``decoupled_weight_decay`` sets ``adam_w_mode``) but foreach, fused and capturable,
+        which stay this optimizer's. Everything is checked before anything changes. Pre and post hooks run as in
         torch.optim: a pre hook gets a shallow copy of ``state_dict`` and may return a replacement."""
         load_with_hooks(self, state_dict, self._load_state_dict)
 
