@@ -340,7 +340,6 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                 if refusable:
                     return False
                 raise
-        call.accepted(grads)
         views.write_back(staged)
         return True
 
