@@ -263,7 +263,10 @@ class ShardedCall(Call):
     def grads(self, checked: bool) -> list[Tensor] | None:
         if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):
             return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
-        grads = list(map(_grad, self.model_params))
+        # A DTensor's .grad getter first looks for a __torch_function__ override (a few microseconds a
+        # param); DTensor has none that applies to it, so it is read with subclass overrides disabled.
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = list(map(_grad, self.model_params))
         try:
             specs = list(map(_spec, grads))
         except AttributeError:
