@@ -11,9 +11,17 @@ build_ext --inplace`) only for the GPUs this machine sees, none without one (bui
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from setuptools import setup
+
+# pip >= 26 shows a build backend's warnings even with -q. Two say nothing to someone installing distopt:
+# torch's, in an isolated build environment without numpy, at each import (the build needs no numpy); and
+# setuptools' editable install's (pip install -e .), that a folder named like the package in the working
+# directory may take precedence on import (here that folder is the package itself).
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+warnings.filterwarnings("ignore", message="Editable installation")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
 import build_config  # noqa: E402

@@ -252,7 +252,7 @@ class CudaPlan:
 
     build: bool  # compile it
     arch_list: str = ""  # for these architectures (TORCH_CUDA_ARCH_LIST syntax)
-    reason: str = ""  # where arch_list comes from, or why it is not built
+    reason: str = ""  # for what (arch_list's origin), or why not
 
 
 def cuda_plan(local: bool) -> CudaPlan:
@@ -265,16 +265,16 @@ def cuda_plan(local: bool) -> CudaPlan:
         return CudaPlan(False, reason="; ".join(cuda_problems()))
     asked = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if asked and asked != "native":
-        return CudaPlan(True, asked, "TORCH_CUDA_ARCH_LIST")
+        return CudaPlan(True, asked, f"TORCH_CUDA_ARCH_LIST={asked}")
     if asked == "native" or local:
-        archs = visible_gpu_archs()
+        archs = ";".join(visible_gpu_archs())
         if archs:
-            return CudaPlan(True, ";".join(archs), "this machine's GPUs")
+            return CudaPlan(True, archs, f"this machine's GPUs ({archs})")
         if asked == "native":
             raise SystemExit("TORCH_CUDA_ARCH_LIST=native, but no GPU is visible")
         if mode == "auto":
             return CudaPlan(False, reason="no GPU is visible")
-    return CudaPlan(True, DEFAULT_CUDA_ARCHS, "every supported GPU")
+    return CudaPlan(True, DEFAULT_CUDA_ARCHS, f"every supported GPU ({DEFAULT_CUDA_ARCHS})")
 
 
 # Rough build times on this project's 2-core x86-64 VM (GCC 12, nvcc 13.0), for the line a build starts
@@ -287,15 +287,13 @@ def plan_line(plan: CudaPlan) -> str:
     """The one line a build starts with: what it compiles and roughly how long that takes."""
     cpu = "distopt: building the CPU kernels (distopt._C"
     if plan.build:
-        n = len([a for a in plan.arch_list.replace(" ", ";").split(";") if a])
+        n = len([a for a in re.split(r"[;\s]+", plan.arch_list) if a])
         minutes = CPU_BUILD_MINUTES + CUDA_BUILD_MINUTES_PER_ARCH * n
-        return (f"{cpu}) and the CUDA kernels (distopt._C_cuda) for {plan.arch_list}, {plan.reason}: "
-                f"about {minutes} min on 2 cores")
-    line = f"{cpu}, about {CPU_BUILD_MINUTES} min on 2 cores); no CUDA kernels: {plan.reason}"
+        return f"{cpu}) and the CUDA kernels (distopt._C_cuda) for {plan.reason}: about {minutes} min on 2 cores"
+    line = f"{cpu}), about {CPU_BUILD_MINUTES} min on 2 cores; no CUDA kernels: {plan.reason}"
     if plan.reason == "no GPU is visible":
-        n = len(DEFAULT_CUDA_ARCHS.split(";"))
-        line += (f" (DISTOPT_BUILD_CUDA=1 builds them for every supported GPU, {DEFAULT_CUDA_ARCHS}: "
-                 f"about {CUDA_BUILD_MINUTES_PER_ARCH * n} min more)")
+        minutes = CUDA_BUILD_MINUTES_PER_ARCH * len(DEFAULT_CUDA_ARCHS.split(";"))
+        line += f" (DISTOPT_BUILD_CUDA=1 builds them for every supported GPU, {minutes} min more)"
     return line
 
 
