@@ -9,6 +9,7 @@ A wheel gets the CUDA kernels for every supported GPU; a local build (`pip insta
 build_ext --inplace`) only for the GPUs this machine sees, none without one (build_config.cuda_plan).
 """
 
+import logging
 import os
 import sys
 import warnings
@@ -22,6 +23,9 @@ from setuptools import setup
 # directory may take precedence on import (here that folder is the package itself).
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 warnings.filterwarnings("ignore", message="Editable installation")
+# And without a GPU, torch's extension builder logs "No CUDA runtime is found" when imported: the build's
+# own line says what it does about that.
+logging.getLogger("torch.utils.cpp_extension").addFilter(lambda r: "No CUDA runtime is found" not in r.getMessage())
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
 import build_config  # noqa: E402

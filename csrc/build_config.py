@@ -277,10 +277,11 @@ def cuda_plan(local: bool) -> CudaPlan:
     return CudaPlan(True, DEFAULT_CUDA_ARCHS, f"every supported GPU ({DEFAULT_CUDA_ARCHS})")
 
 
-# Rough build times on this project's 2-core x86-64 VM (GCC 12, nvcc 13.0), for the line a build starts
-# with: distopt._C, and distopt._C_cuda per architecture.
-CPU_BUILD_MINUTES = 4
-CUDA_BUILD_MINUTES_PER_ARCH = 3
+# Rough build times on 2 otherwise idle cores (x86-64, GCC 12, nvcc 13.0), for the line a build starts
+# with: distopt._C (3 CPU minutes, 2.4 of them adam_states.cpp, one core's work) and distopt._C_cuda per
+# architecture (13 CPU minutes for 8.0;9.0;10.0+PTX, spread over both cores).
+CPU_BUILD_MINUTES = 3
+CUDA_BUILD_MINUTES_PER_ARCH = 2
 
 
 def plan_line(plan: CudaPlan) -> str:
