@@ -57,8 +57,8 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 CSRC = Path(__file__).resolve().parent
 ROOT = CSRC.parent
@@ -246,8 +246,7 @@ def visible_gpu_archs() -> list[str]:
     return archs
 
 
-@dataclass(frozen=True)
-class CudaPlan:
+class CudaPlan(NamedTuple):  # not a dataclass: tools/gpu_budgets.py loads this file outside sys.modules
     """What one build does about distopt._C_cuda."""
 
     build: bool  # compile it
