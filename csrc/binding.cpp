@@ -99,14 +99,14 @@ RawTensor raw_of(const Tensor& t) {
   int64_t dim = 0;
   int64_t* sizes = nullptr;
   int64_t* strides = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &r.dtype));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &r.device_type));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(h, &r.device_index));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(h, &r.layout));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, &sizes));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, &strides));
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(h, &r.data));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &r.dtype));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &r.device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(h, &r.device_index));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(h, &r.layout));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, &sizes));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, &strides));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(h, &r.data));
   r.sizes = IntArrayRef(sizes, static_cast<size_t>(dim));  // borrowed from t, as Tensor::sizes()
   r.strides = IntArrayRef(strides, static_cast<size_t>(dim));
   return r;
