@@ -14,9 +14,12 @@
 // A new argument is a new parameter at its schema position, checked and described with the helpers
 // below; the registrations need no change.
 //
-// Errors: an invalid argument throws std::invalid_argument (DISTOPT_CHECK), which torch's op call turns
-// into Python's ValueError. The stable ABI has no way to raise TypeError, so a wrong dtype is a
-// ValueError too. Everything is checked before any kernel runs: a refused call writes nothing.
+// Errors: an invalid argument throws std::invalid_argument (DISTOPT_CHECK) whose message starts with
+// kArgumentError ("distopt: "). torch up to 2.14 turns it into Python's ValueError; 2.15 delivers every
+// exception of a stable-ABI kernel as RuntimeError, and distopt/ops.py turns those that carry the prefix
+// back into ValueError, so callers of distopt.ops see one exception type on every torch. The stable ABI
+// has no way to raise TypeError, so a wrong dtype is a ValueError too. Everything is checked before any
+// kernel runs: a refused call writes nothing.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
@@ -40,10 +43,12 @@ using torch::stable::Tensor;
 using Tensors = std::vector<Tensor>;
 using OptionalTensor = std::optional<Tensor>;
 
-// Throws std::invalid_argument (Python: ValueError) with the parts streamed into one message.
+// Throws std::invalid_argument (Python: ValueError) with the parts streamed into one message after
+// kArgumentError (kernels.h).
 template <typename... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream msg;
+  msg << kArgumentError;
   (msg << ... << parts);
   throw std::invalid_argument(msg.str());
 }

@@ -15,6 +15,10 @@
 
 namespace distopt {
 
+// The start of every invalid-argument message (std::invalid_argument) an op throws, from the binding's
+// checks or the kernels' own (a forced CPU ISA): distopt/ops.py knows them by it (binding.h, "Errors").
+inline constexpr const char* kArgumentError = "distopt: ";
+
 // Lists of the fused Adam update; positions in TensorLists::lists. The scales lists (one fp32 absmax
 // per kQuantBlock elements of an 8-bit moment, see math/state_format.h) have ceil(numel / kQuantBlock)
 // elements per entry, not numel.

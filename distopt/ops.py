@@ -6,7 +6,9 @@ a module cannot be imported, or was not built, the pure-PyTorch versions in ``re
 registered instead, with one warning, so every op keeps working (slower). Schemas state exactly which
 arguments each op mutates, and every op has a fake kernel, so the ops work under torch.compile and inside
 CUDA-graph capture. Kernels launch on the current CUDA stream and never synchronise with the host. An
-invalid argument raises ValueError before anything is written.
+invalid argument raises ValueError before anything is written; its message starts with "distopt: ".
+(From torch 2.15 a compiled kernel's exceptions reach Python as RuntimeError; the wrappers below give
+those that carry that prefix back their type. Calling ``torch.ops.distopt.*`` directly skips this.)
 
 Conventions shared by all ops:
   * list arguments hold same-dtype tensors on one device; entries at the same index have the same
@@ -138,6 +140,19 @@ def _register_fallbacks() -> None:
 _register_fallbacks()
 
 
+_ARGUMENT_ERROR = "distopt: "  # the start of the kernels' invalid-argument messages (csrc/kernels.h)
+
+
+def _call(op: torch._ops.OpOverload, *args: object) -> object:
+    """``op(*args)``, with a compiled kernel's invalid-argument error raised as ValueError on every torch."""
+    try:
+        return op(*args)
+    except RuntimeError as error:
+        if str(error).startswith(_ARGUMENT_ERROR):
+            raise ValueError(str(error)) from None
+        raise
+
+
 def adam_step_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -218,7 +233,8 @@ def adam_step_(
         steps = (torch.tensor(float(step), dtype=torch.float64),)
     else:
         steps = step
-    torch.ops.distopt.adam_step_.default(
+    _call(
+        torch.ops.distopt.adam_step_.default,
         params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, steps,
         beta1, beta2, eps, weight_decay, adam_w_mode, maximize, grad_scale, found_inf,
         exp_avg_scales, exp_avg_sq_scales, rounding_seed, list(param_ids), list(param_offsets),
@@ -233,7 +249,7 @@ def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None = None) -> tuple[
     """
     if not tensors:
         raise ValueError("l2norm needs at least one tensor")
-    return torch.ops.distopt.l2norm.default(tensors, found_inf)
+    return _call(torch.ops.distopt.l2norm.default, tensors, found_inf)  # type: ignore[return-value]
 
 
 def scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor, found_inf: Tensor | None = None) -> None:
@@ -243,10 +259,10 @@ def scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: Tensor, f
     An output may be its input (in place); partial overlaps are refused.
     """
     if inputs:
-        torch.ops.distopt.scale_.default(inputs, outputs, scale, found_inf)
+        _call(torch.ops.distopt.scale_.default, inputs, outputs, scale, found_inf)
 
 
 def cast_copy_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], skip_if: Tensor | None = None) -> None:
     """``outputs[i] = inputs[i]`` cast to the output dtype, unless ``skip_if`` is nonzero."""
     if inputs:
-        torch.ops.distopt.cast_copy_.default(inputs, outputs, skip_if)
+        _call(torch.ops.distopt.cast_copy_.default, inputs, outputs, skip_if)

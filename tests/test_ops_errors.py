@@ -314,6 +314,27 @@ def test_l2norm_empty_list_raises():
         ops.l2norm([])
 
 
+def test_kernel_argument_errors_are_value_errors_on_every_torch():
+    """The compiled kernel's refusal is a ValueError whose message starts with "distopt: ", whether torch
+    delivers it as ValueError (up to 2.14) or as RuntimeError (2.15) ..."""
+    with pytest.raises(ValueError) as info:
+        ops.l2norm([torch.arange(3)])
+    assert type(info.value) is ValueError and str(info.value).startswith("distopt: tensors"), info.value
+
+
+def test_other_kernel_errors_keep_their_type(monkeypatch):
+    """... and only that one: a RuntimeError without the prefix (a CUDA error, say) stays a RuntimeError
+    (a negative control of the translation: a wrapper that turned every RuntimeError into ValueError fails)."""
+
+    def failing(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.ops.distopt.l2norm, "default", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:
+        ops.l2norm([torch.ones(3)])
+    assert type(info.value) is RuntimeError
+
+
 # ----------------------------------------------------------------------------------------------------
 # torch.library.opcheck
 # ----------------------------------------------------------------------------------------------------

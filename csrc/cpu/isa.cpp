@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "../kernels.h"
+
 namespace distopt {
 namespace {
 
@@ -64,12 +66,13 @@ CpuIsa cpu_isa() {
   for (CpuIsa isa : {CpuIsa::Baseline, CpuIsa::Avx2, CpuIsa::Avx512}) {
     if (std::strcmp(forced, cpu_isa_name(isa)) != 0) continue;
     if (!supported(isa)) {
-      throw std::invalid_argument(std::string("DISTOPT_CPU_ISA=") + forced + ": this CPU (or build) has no " +
-                                  forced + " path; the best it has is " + cpu_isa_name(best_cpu_isa()));
+      throw std::invalid_argument(std::string(kArgumentError) + "DISTOPT_CPU_ISA=" + forced +
+                                  ": this CPU (or build) has no " + forced + " path; the best it has is " +
+                                  cpu_isa_name(best_cpu_isa()));
     }
     return isa;
   }
-  throw std::invalid_argument(std::string("DISTOPT_CPU_ISA=") + forced +
+  throw std::invalid_argument(std::string(kArgumentError) + "DISTOPT_CPU_ISA=" + forced +
                               ": expected auto, baseline, avx2 or avx512");
 }
 
