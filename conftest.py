@@ -7,7 +7,8 @@ one namespace per page (a page reads top to bottom), in a fresh temporary workin
   ranks=N       run it on N gloo ranks on the CPU (forked, one thread each: distopt.testing.run_ranks), in
                 an initialised default process group with torchrun's environment variables set (RANK,
                 LOCAL_RANK, WORLD_SIZE, ...: what the training frameworks read), each rank starting from
-                a copy of the page's namespace (what the block defines stays on the ranks)
+                a copy of the page's namespace (what the block defines stays on the ranks); marked `ranks`
+                where pyproject registers that marker
   requires=A,B  skip it unless each is there: `cuda` (a GPU; the item is also marked `cuda`, so that
                 `pytest -m cuda` selects it), or a module's name (an optional framework)
   rank-setup    (an invisible block) not run here: it runs first on the ranks of every later ranks=N
@@ -190,11 +191,16 @@ if Sybil is not None:
         return None
 
     def pytest_collection_modifyitems(config, items) -> None:
+        # A `ranks` marker, where pyproject registers one (the tests' marker for forked gloo ranks), marks
+        # the ranks=N blocks too, so that `-m 'not ranks'` deselects them with the tests.
+        has_ranks_marker = any(m.split(":")[0].strip() == "ranks" for m in config.getini("markers"))
         for item in items:
             if isinstance(item, SybilItem) and isinstance(item.example.parsed, tuple):
-                requires = item.example.parsed[1].requires
-                if "cuda" in requires:
+                options = item.example.parsed[1]
+                if "cuda" in options.requires:
                     item.add_marker(pytest.mark.cuda)
+                if options.ranks and has_ranks_marker:
+                    item.add_marker(pytest.mark.ranks)
 
 else:
 
