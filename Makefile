@@ -2,6 +2,7 @@
 #   make train   the main job (see README): installs torch and distopt only
 #   make test    the test suite (what CI runs in each torch): also the test tools and the integrations'
 #                frameworks
+#   make docs    the docs site, from what `make test` installs
 # Both create .venv and install distopt from this checkout in editable mode on first use, built against
 # .venv's own torch (--no-build-isolation: pip's isolated build would install a second torch, the newest,
 # ~3 GB, into a throwaway environment). A local build: the CPU kernels, and the CUDA kernels only for the
@@ -18,7 +19,7 @@ STAMP     := $(VENV)/.distopt-built
 TEST_DEPS := $(VENV)/.test-deps
 SOURCES   := $(shell find csrc -type f -not -name '*.pyc') setup.py pyproject.toml
 
-.PHONY: train test env clean
+.PHONY: train test env docs clean
 
 train: $(STAMP)
 	$(PY) examples/train.py $(ARGS)
@@ -29,6 +30,13 @@ test: $(STAMP) $(TEST_DEPS)
 	$(VENV)/bin/pytest
 
 env: $(STAMP) $(TEST_DEPS)
+
+# The docs site: README.md, docs/ and benchmarks/README.md, with the API reference generated from the
+# docstrings (Sphinx, MyST, autodoc; docs/conf.py), warnings as errors. Needs only what `make env` installs.
+docs: $(STAMP) $(TEST_DEPS)
+	@test -x $(VENV)/bin/sphinx-build || { echo "distopt: no sphinx in $(VENV) (made before the docs tools joined the test tools): rm $(TEST_DEPS) && make env"; exit 1; }
+	$(VENV)/bin/sphinx-build -W --keep-going -q -c docs . build/docs/html
+	@echo "distopt: the docs are in build/docs/html (start at build/docs/html/docs/index.html)"
 
 # numpy: torch warns "Failed to initialize NumPy" in every process that imports it without numpy (the
 # main job's three). setuptools and ninja: the build, which runs in .venv (PIP_BUILD).
@@ -50,6 +58,7 @@ $(TEST_DEPS): $(VENV)/.base
 	# torchao: its AdamW8bit is the 8-bit moment format the low-precision tests compare with
 	$(PIP) "torchao==0.18.0"
 	$(PIP) tyro "spmd_types==0.2.3; python_version >= '3.11'"
+	$(PIP) "sybil>=10" sphinx myst-parser  # the docs: Sybil runs their snippets in the suite, Sphinx builds them
 	$(PIP) --no-deps "torchtitan==0.3.0; python_version >= '3.11'"
 	touch $@
 
