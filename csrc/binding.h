@@ -55,7 +55,7 @@ template <typename... Parts>
 
 // For messages: "cpu", "cuda:1", "float32", "[5, 3]".
 std::string device_name(const Device& device);
-std::string dtype_name(torch::headeronly::ScalarType dtype);
+std::string scalar_type_name(torch::headeronly::ScalarType dtype);
 std::string shape_string(const Tensor& t);
 
 // Checks a list against the reference list (the op's first) and describes it: same length, one dtype

@@ -115,6 +115,19 @@ DISTOPT_HD float float_from_half_bits(uint16_t h) {
 // (math/state_format.h).
 enum class DType : uint8_t { Float32, Float16, BFloat16, Int16, UInt8 };
 
+// torch's name of a kernel dtype ("float32", ...): the one dtype naming, which the binding layer's
+// messages use too (binding.cpp's scalar_type_name).
+constexpr const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::Float32: return "float32";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Int16: return "int16";
+    case DType::UInt8: return "uint8";
+  }
+  return "unknown";
+}
+
 // A list of same-dtype tensors: one data pointer each (nullptr = "absent for this entry") and a
 // shared element count list owned by the caller (TensorLists::numel).
 struct TensorList {

@@ -96,7 +96,7 @@ DISTOPT_HD int zero_code(bool is_signed) { return is_signed ? 127 : 0; }
 // The nearest code to y given the 255 thresholds (thr[k] between codes k and k + 1, ascending) and
 // thr[255] = +inf: the number of thresholds below y, ties toward zero (a threshold equal to a
 // negative y counts as below it). NaN: the map's 0. A binary search of 8 steps; the CPU kernels get
-// the same answer from a table (cpu/state_format.cpp), the tests compare the two.
+// the same answer from a table (cpu/state_tables.cpp), the tests compare the two.
 DISTOPT_HD int quantize_code(float y, const float* thr, bool is_signed) {
   if (y != y) return zero_code(is_signed);
   const bool negative = y < 0.0f;

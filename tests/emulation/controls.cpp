@@ -1,6 +1,6 @@
 // Controls of the SIMT emulator (tests/emulation/test_simt.py): deliberately broken kernels, each of
 // which the emulator must reject with a specific error, and a correct block reduction it must pass.
-// Built by the test with the emulated build's flags (csrc/build_config.py) against csrc/emulation,
+// Built by the test with the emulated build's flags (csrc/build_config.py) against csrc/testing/simt,
 // using the real vec.cuh, reduce.cuh and launch.cuh as the product kernels do. Plain C entry points
 // (called through ctypes): no torch headers, so the build takes seconds.
 #include <cstdint>

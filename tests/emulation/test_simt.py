@@ -1,4 +1,4 @@
-"""Controls of the SIMT emulator (csrc/emulation): it must catch each class of kernel bug it claims to
+"""Controls of the SIMT emulator (csrc/testing/simt): it must catch each class of kernel bug it claims to
 catch, and pass a correct kernel under any schedule.
 
 The kernels are in controls.cpp, compiled here (once per source change, cached under build/) with the

@@ -1,10 +1,10 @@
 // distopt._C_emulated, the "cuda-emulated" test backend: the CUDA kernels of csrc/cuda compiled as
 // host C++ against the SIMT emulator, behind the same binding layer, registered for CPU tensors as
-// torch.ops.distopt_emulated.* (registration.cpp). This file adds the emulator's controls and
+// torch.ops.distopt_emulated.* (registration_cuda.cpp). This file adds the emulator's controls and
 // counters, and the launch constants the tests size their tensors by.
 #include <Python.h>
 
-#include "../cuda/multi_tensor_apply.cuh"
+#include "../../cuda/multi_tensor_apply.cuh"
 #include "simt.h"
 
 namespace {

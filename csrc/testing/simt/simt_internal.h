@@ -1,5 +1,5 @@
 // The emulator's runtime state, shared by the scheduler (simt.cpp) and the sanitizer hooks
-// (simt_hooks.cpp). Not for kernels: they see simt.h only.
+// (hooks.cpp). Not for kernels: they see simt.h only.
 #pragma once
 
 #include <atomic>
