@@ -52,6 +52,11 @@ DISTOPT_HD float bits_float(uint32_t u) {
 #endif
 }
 
+// float_bits and bits_float in constant expressions (the tables of math/quant_tables.h, built when the
+// kernels are compiled): __builtin_bit_cast is constexpr in GCC >= 11, Clang and nvcc, C++17 included.
+constexpr uint32_t float_bits_constexpr(float x) { return __builtin_bit_cast(uint32_t, x); }
+constexpr float bits_float_constexpr(uint32_t u) { return __builtin_bit_cast(float, u); }
+
 // Note [16-bit conversions]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every fp32 <-> bf16/fp16 conversion of the kernels, host and device, goes through these four

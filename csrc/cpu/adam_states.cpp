@@ -25,10 +25,26 @@
 #include "flat.h"
 #include "isa.h"
 #include "parallel.h"
-#include "state_tables.h"
+#include "../math/quant_tables.h"
 
 namespace distopt {
 namespace {
+
+// Each map value's four bytes as byte tables (byte k of value c at [k][c]): dequantize_vbmi's permutes.
+struct QuantBytes {
+  alignas(64) uint8_t b[4][kCodes];
+};
+
+template <typename Map>
+constexpr QuantBytes quant_bytes(const Map& map) {
+  QuantBytes q{};
+  for (int c = 0; c < kCodes; ++c) {
+    for (int k = 0; k < 4; ++k) q.b[k][c] = static_cast<uint8_t>(float_bits_constexpr(map.values[c]) >> (8 * k));
+  }
+  return q;
+}
+constexpr QuantBytes kSignedQuantBytes = quant_bytes(kSignedQuantMap);
+constexpr QuantBytes kUnsignedQuantBytes = quant_bytes(kUnsignedQuantMap);
 
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
 // The 8-bit format's two per-element loops in AVX-512 (16 lanes), with the scalar loops' arithmetic:
@@ -171,34 +187,35 @@ DISTOPT_AVX512_TARGET uint32_t max_abs_bits_avx512(const float* x, int64_t n) {
   return m;
 }
 
-// codes[j] = quantize_by_buckets(x[j] * inv); returns nothing (the absmax is the caller's).
+// codes[j] = quantize_by_buckets(x[j] * inv) (math/quant_tables.h), 16 lanes at a time: the bucket
+// load is a gather, the count one add (Note [Quantisation by buckets]).
 DISTOPT_AVX512_TARGET void quantize_avx512(const float* x, float inv, int64_t n, const uint32_t* buckets,
-                                          uint32_t key_min, uint32_t key_max, bool is_signed, uint8_t* codes) {
+                                          uint32_t key_min, bool is_signed, uint8_t* codes) {
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i kmin = _mm512_set1_epi32(static_cast<int>(key_min)), kmax = _mm512_set1_epi32(static_cast<int>(key_max));
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), low = _mm512_set1_epi32(0xffff);
-  const __m512i one = _mm512_set1_epi32(1), c127 = _mm512_set1_epi32(127), inf_bits = _mm512_set1_epi32(0x7f800000);
-  const __m512i zero_c = _mm512_set1_epi32(zero_code(is_signed));
+  const __m512i lo_clamp = _mm512_set1_epi32(static_cast<int>(key_min << 16));
+  const __m512i hi_clamp = _mm512_set1_epi32(static_cast<int>(kBucketKeyMax << 16));
+  const __m512i kmin = _mm512_set1_epi32(static_cast<int>(key_min));
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+  const __m512i c254 = _mm512_set1_epi32(254), zero_c = _mm512_set1_epi32(zero_code(is_signed));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + j), vinv));
     const __m512i a = _mm512_and_si512(u, abs_mask);
-    const __m512i key = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(a, 16), kmin), kmax);
-    const __m512i e = _mm512_i32gather_epi32(_mm512_sub_epi32(key, kmin), reinterpret_cast<const int*>(buckets), 4);
-    const __mmask16 above = _mm512_cmpgt_epu32_mask(_mm512_and_si512(a, low), _mm512_and_si512(e, low));
-    const __m512i below = _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), above, _mm512_srli_epi32(e, 16), one);
+    const __m512i ac = _mm512_min_epu32(_mm512_max_epu32(a, lo_clamp), hi_clamp);
+    const __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(ac, 16), kmin);
+    const __m512i e = _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(buckets), 4);
+    const __m512i c = _mm512_srli_epi32(_mm512_add_epi32(ac, e), 16);  // the code of |y|
     const __mmask16 negative = _mm512_cmpneq_epu32_mask(u, a);
     __m512i code;
-    if (is_signed) {
-      const __m512i neg = _mm512_sub_epi32(c127, _mm512_min_epu32(below, c127));
-      code = _mm512_mask_blend_epi32(negative, _mm512_add_epi32(c127, below), neg);
+    if (is_signed) {  // negatives: 254 - c, at least 0
+      code = _mm512_mask_blend_epi32(negative, c, _mm512_max_epi32(_mm512_sub_epi32(c254, c), _mm512_setzero_si512()));
     } else {
-      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), below);
+      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), c);
     }
     code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, inf_bits), code, zero_c);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(code));
   }
-  for (; j < n; ++j) codes[j] = quantize_by_buckets(x[j] * inv, buckets, key_min, key_max, is_signed);
+  for (; j < n; ++j) codes[j] = static_cast<uint8_t>(quantize_by_buckets(x[j] * inv, buckets, key_min, is_signed));
 }
 #endif
 
@@ -210,7 +227,7 @@ struct MomentList {
   const float* values;               // 8-bit: the map
   const uint8_t (*value_bytes)[kCodes];  // 8-bit: the map as byte tables (dequantize_vbmi)
   const uint32_t* buckets;           // 8-bit: the bucket table (Note [Quantisation by buckets])
-  uint32_t key_min, key_max;
+  uint32_t key_min;
   bool is_signed;
   bool avx512;  // the 8-bit loops' AVX-512 versions (else the scalar ones, which GCC vectorises less)
   bool vbmi;    // with AVX-512: the map read by byte permutes (dequantize_vbmi)
@@ -231,17 +248,15 @@ struct StatesCtx {
 
 MomentList moment_list(StateFormat format, const TensorList& data, const TensorList& scales, bool is_signed) {
   const bool avx512 = cpu_isa() == CpuIsa::Avx512;
-  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, 0, is_signed, avx512, false};
+  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, is_signed, avx512, false};
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
   l.vbmi = avx512 && cpu_vbmi();
 #endif
   if (format == StateFormat::Blockwise8) {
-    const QuantTable& t = quant_table(is_signed);
-    l.values = t.values;
-    l.value_bytes = t.value_bytes;
-    l.buckets = t.buckets.data();
-    l.key_min = t.key_min;
-    l.key_max = t.key_max;
+    l.values = is_signed ? kSignedQuantMap.values : kUnsignedQuantMap.values;
+    l.value_bytes = is_signed ? kSignedQuantBytes.b : kUnsignedQuantBytes.b;
+    l.buckets = is_signed ? kSignedQuantMap.buckets : kUnsignedQuantMap.buckets;
+    l.key_min = is_signed ? kSignedQuantMap.kKeyMin : kUnsignedQuantMap.kKeyMin;
   }
   return l;
 }
@@ -295,8 +310,7 @@ DISTOPT_ALWAYS_INLINE void write_moment(const MomentList& l, int64_t i, int64_t 
       return;
     }
     case StateFormat::Blockwise8: {
-      // block_absmax's arguments from one integer maximum: |x| orders like its bits, and a NaN's bits
-      // exceed every other value's (so the maximum's order of comparisons cannot matter).
+      // block_absmax_of_bits: one integer maximum of the bits & 0x7fffffff.
       uint32_t max_bits = 0;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
       if (l.avx512) max_bits = max_abs_bits_avx512(x, n);
@@ -307,20 +321,22 @@ DISTOPT_ALWAYS_INLINE void write_moment(const MomentList& l, int64_t i, int64_t 
           max_bits = a > max_bits ? a : max_bits;
         }
       }
-      const float absmax = block_absmax(bits_float(max_bits), is_nan_bits(max_bits));
+      const float absmax = block_absmax_of_bits(max_bits);
       static_cast<float*>((*l.scales)[i])[block] = absmax;
       const float inv = absmax_inverse(absmax);
       uint8_t* codes = static_cast<uint8_t*>(base) + lo;
       const uint32_t* __restrict buckets = l.buckets;
-      const uint32_t key_min = l.key_min, key_max = l.key_max;
+      const uint32_t key_min = l.key_min;
       const bool is_signed = l.is_signed;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
       if (l.avx512) {
-        quantize_avx512(x, inv, n, buckets, key_min, key_max, is_signed, codes);
+        quantize_avx512(x, inv, n, buckets, key_min, is_signed, codes);
         return;
       }
 #endif
-      for (int64_t j = 0; j < n; ++j) codes[j] = quantize_by_buckets(x[j] * inv, buckets, key_min, key_max, is_signed);
+      for (int64_t j = 0; j < n; ++j) {
+        codes[j] = static_cast<uint8_t>(quantize_by_buckets(x[j] * inv, buckets, key_min, is_signed));
+      }
       return;
     }
   }

@@ -47,7 +47,7 @@ constexpr int kCodes = 256;
 constexpr uint32_t kCanonicalNanBits = 0x7fc00000u;
 
 // torch.linspace(0.1, 1.0, steps, dtype=float32)[k] on torch's scalar path.
-DISTOPT_HD float dynamic_map_linspace(int steps, int k) {
+DISTOPT_HD constexpr float dynamic_map_linspace(int steps, int k) {
   const float start = 0.1f, end = 1.0f;
   const float step = (end - start) / static_cast<float>(steps - 1);
   return k < steps / 2 ? start + step * static_cast<float>(k) : end - step * static_cast<float>(steps - k - 1);
@@ -57,9 +57,9 @@ DISTOPT_HD float dynamic_map_linspace(int steps, int k) {
 // total_bits=8), sorted ascending. Decade d (0..6) holds the means of linspace(0.1, 1, n + 1)
 // scaled by 10^(d - 6), n = 2^d (signed, mirrored for the negative half) or 2^(d + 1) (unsigned);
 // then 0 and 1.0. Signed: code 127 is 0, 255 is 1.0, 0 is the most negative. Unsigned: code 0 is 0.
-DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
+DISTOPT_HD constexpr float dynamic_map_value(bool is_signed, int code) {
   if (code == kCodes - 1) return 1.0f;
-  int j;  // 1-based rank among the positive means
+  int j = 0;  // 1-based rank among the positive means
   bool negative = false;  // the signed map's lower half mirrors the upper (no recursion: none on the GPU)
   if (is_signed) {
     if (code == 127) return 0.0f;
@@ -86,18 +86,19 @@ DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
 }
 
 // The decision boundary between codes k and k + 1 (k < 255): the fp32 midpoint of their values.
-DISTOPT_HD float dynamic_map_threshold(bool is_signed, int k) {
+DISTOPT_HD constexpr float dynamic_map_threshold(bool is_signed, int k) {
   return (dynamic_map_value(is_signed, k) + dynamic_map_value(is_signed, k + 1)) * 0.5f;
 }
 
 // The code of the map's 0.
-DISTOPT_HD int zero_code(bool is_signed) { return is_signed ? 127 : 0; }
+DISTOPT_HD constexpr int zero_code(bool is_signed) { return is_signed ? 127 : 0; }
 
 // The nearest code to y given the 255 thresholds (thr[k] between codes k and k + 1, ascending) and
 // thr[255] = +inf: the number of thresholds below y, ties toward zero (a threshold equal to a
-// negative y counts as below it). NaN: the map's 0. A binary search of 8 steps; the CPU kernels get
-// the same answer from a table (cpu/state_tables.cpp), the tests compare the two.
-DISTOPT_HD int quantize_code(float y, const float* thr, bool is_signed) {
+// negative y counts as below it). NaN: the map's 0. A binary search of 8 steps: the definition of the
+// 8-bit store. The kernels get the same answer from the bucket tables of math/quant_tables.h, which are
+// checked against it where the two could differ when they are compiled.
+DISTOPT_HD constexpr int quantize_code(float y, const float* thr, bool is_signed) {
   if (y != y) return zero_code(is_signed);
   const bool negative = y < 0.0f;
   int pos = 0;
@@ -116,6 +117,12 @@ DISTOPT_HD float abs_value(float x) { return bits_float(float_bits(x) & 0x7fffff
 // is exact and independent of the order of comparisons, so any traversal gives the same bits.
 DISTOPT_HD float block_absmax(float max_abs, bool any_nan) {
   return any_nan ? bits_float(kCanonicalNanBits) : max_abs;
+}
+
+// The same from one integer maximum of the elements' bits & 0x7fffffff: |x| orders like those bits and
+// a NaN's exceed every other value's, so one unsigned maximum (in any order) gives both.
+DISTOPT_HD float block_absmax_of_bits(uint32_t max_abs_bits) {
+  return block_absmax(bits_float(max_abs_bits), is_nan_bits(max_abs_bits));
 }
 
 // The multiplier that maps a block onto [-1, 1]: 1 / absmax, or 0 for an all-zero block (every y is
