@@ -25,6 +25,7 @@
 #include "flat.h"
 #include "isa.h"
 #include "parallel.h"
+#include "../math/philox.h"
 #include "../math/quant_tables.h"
 
 namespace distopt {
@@ -119,52 +120,54 @@ DISTOPT_VBMI_TARGET void dequantize_vbmi(const uint8_t* codes, const uint8_t (*b
 }
 #pragma GCC diagnostic pop
 
+// Sixteen Philox counters in AVX-512 lanes: philox_rounds (math/philox.h) runs on them through these
+// two lane operations. A 32x32->64 multiply is two vpmuludq (even and odd lanes), so the words are the
+// scalar generator's exactly.
+struct Lanes16 {
+  __m512i v;
+};
+
+DISTOPT_AVX512_TARGET inline void philox_mulhilo(uint32_t m, Lanes16 c, Lanes16& hi, Lanes16& lo) {
+  const __m512i mm = _mm512_set1_epi64(m);
+  const __mmask16 odd = 0xAAAA;
+  const __m512i even_p = _mm512_mul_epu32(mm, c.v), odd_p = _mm512_mul_epu32(mm, _mm512_srli_epi64(c.v, 32));
+  hi.v = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(even_p, 32), odd_p);
+  lo.v = _mm512_mask_blend_epi32(odd, even_p, _mm512_slli_epi64(odd_p, 32));
+}
+
+DISTOPT_AVX512_TARGET inline Lanes16 philox_xor3(Lanes16 a, Lanes16 b, uint32_t k) {
+  return Lanes16{_mm512_ternarylogic_epi32(a.v, b.v, _mm512_set1_epi32(static_cast<int>(k)), 0x96)};
+}
+
 // GCC 12 warns inside its own 64-bit shift and multiply intrinsics (their undefined pass-through
 // operand) once they are inlined here; the operand is never read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// rounding_bits(key, lo + j) for j in [0, n): words 0, 1 and 2 into w0, w1, w2. Philox4x32-10 on 16
-// counters at once; a 32x32->64 multiply is two vpmuludq (even and odd lanes), so the words are the
-// scalar generator's exactly.
-DISTOPT_AVX512_TARGET void rounding_bits_avx512(const RoundingKey& key, int64_t lo, int64_t n, uint32_t* w0,
-                                               uint32_t* w1, uint32_t* w2) {
-  const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
+// rounding_bits(keys, key, lo + j) for j in [0, n): words 0, 1 and 2 into w0, w1, w2, 16 counters at a
+// time. `flatten`: philox_rounds and the lane operations are inlined into this AVX-512 function (the
+// template itself has no target, so they could not be inlined into it).
+DISTOPT_AVX512_TARGET __attribute__((flatten)) void rounding_bits_avx512(const PhiloxKeys& keys,
+                                                                        const RoundingKey& key, int64_t lo,
+                                                                        int64_t n, uint32_t* w0, uint32_t* w1,
+                                                                        uint32_t* w2) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __mmask16 odd = 0xAAAA;
   const __m512i pid = _mm512_set1_epi32(static_cast<int>(key.param_id)), stp = _mm512_set1_epi32(static_cast<int>(key.step));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const uint64_t e = key.offset + static_cast<uint64_t>(lo + j);
     const __m512i e_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e)));
-    __m512i c0 = _mm512_add_epi32(e_lo, lane);
-    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0, e_lo);
+    Lanes16 c0{_mm512_add_epi32(e_lo, lane)};
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0.v, e_lo);
     const __m512i e_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e >> 32)));
-    __m512i c1 = _mm512_mask_add_epi32(e_hi, carry, e_hi, _mm512_set1_epi32(1));
-    __m512i c2 = pid, c3 = stp;
-    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      // Products of the even lanes, then of the odd ones (their counters shifted down).
-      const __m512i p0e = _mm512_mul_epu32(m0, c0), p0o = _mm512_mul_epu32(m0, _mm512_srli_epi64(c0, 32));
-      const __m512i p1e = _mm512_mul_epu32(m1, c2), p1o = _mm512_mul_epu32(m1, _mm512_srli_epi64(c2, 32));
-      const __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p0e, 32), p0o);
-      const __m512i lo0 = _mm512_mask_blend_epi32(odd, p0e, _mm512_slli_epi64(p0o, 32));
-      const __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p1e, 32), p1o);
-      const __m512i lo1 = _mm512_mask_blend_epi32(odd, p1e, _mm512_slli_epi64(p1o, 32));
-      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
-      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
-      c0 = n0;
-      c1 = lo1;
-      c2 = n2;
-      c3 = lo0;
-      k0 += kPhiloxW0;
-      k1 += kPhiloxW1;
-    }
-    _mm512_storeu_si512(w0 + j, c0);
-    _mm512_storeu_si512(w1 + j, c1);
-    _mm512_storeu_si512(w2 + j, c2);
+    Lanes16 c1{_mm512_mask_add_epi32(e_hi, carry, e_hi, _mm512_set1_epi32(1))};
+    Lanes16 c2{pid}, c3{stp};
+    philox_rounds(c0, c1, c2, c3, keys);
+    _mm512_storeu_si512(w0 + j, c0.v);
+    _mm512_storeu_si512(w1 + j, c1.v);
+    _mm512_storeu_si512(w2 + j, c2.v);
   }
   for (; j < n; ++j) {
-    const Philox4 r = rounding_bits(key, lo + j);
+    const Philox4 r = rounding_bits(keys, key, lo + j);
     w0[j] = r.w[0];
     w1[j] = r.w[1];
     w2[j] = r.w[2];
@@ -243,7 +246,8 @@ struct StatesCtx {
   const std::vector<void*>* steps;  // capturable: per-tensor float32 step scalars (else nullptr)
   float grad_scale;
   MomentList m, v;
-  const AdamArgs* args;  // stochastic rounding: seed, param ids and offsets
+  const AdamArgs* args;  // stochastic rounding: param ids and offsets
+  PhiloxKeys keys;       // stochastic rounding: the seed's round keys
 };
 
 MomentList moment_list(StateFormat format, const TensorList& data, const TensorList& scales, bool is_signed) {
@@ -371,7 +375,6 @@ struct StatesRange {
       const float gf = grad_factor(ctx->grad_scale, c);
       RoundingKey key{};
       if (sr) {
-        key.seed = ctx->args->seed;
         key.step = rounding_step(step);
         key.param_id = ctx->args->param_ids[i];
         key.offset = ctx->args->param_offsets.empty() ? 0 : ctx->args->param_offsets[i];
@@ -405,13 +408,13 @@ struct StatesRange {
         bool drawn = !bits_needed;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
         if (!drawn && ctx->m.avx512) {
-          rounding_bits_avx512(key, lo, n, rnd[0], rnd[1], rnd[2]);
+          rounding_bits_avx512(ctx->keys, key, lo, n, rnd[0], rnd[1], rnd[2]);
           drawn = true;
         }
 #endif
         if (!drawn) {
           for (int64_t j = 0; j < n; ++j) {
-            const Philox4 r = rounding_bits(key, lo + j);
+            const Philox4 r = rounding_bits(ctx->keys, key, lo + j);
             rnd[0][j] = r.w[0];
             rnd[1][j] = r.w[1];
             rnd[2][j] = r.w[2];
@@ -474,6 +477,7 @@ void adam_states_cpu(const TensorLists& tl, const AdamArgs& args) {
   ctx.m = moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true);
   ctx.v = moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false);
   ctx.args = &args;
+  ctx.keys = philox_keys(args.seed);
   const CpuIsa isa = cpu_isa();
   constexpr int64_t kGrainBlocks = kGrainElements / kQuantBlock;
 

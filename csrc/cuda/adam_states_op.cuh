@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "../common/dispatch.h"
+#include "../math/philox.h"
 #include "adam_op.cuh"
 
 namespace distopt {
@@ -37,7 +38,7 @@ namespace adam_detail {
 
 struct StatesDeviceArgs {
   AdamDeviceArgs adam;
-  uint64_t seed;       // stochastic rounding's seed
+  PhiloxKeys keys;     // stochastic rounding: the seed's round keys
   uint32_t step_word;  // the step's counter word (eager; capturable with a step row: read on the device)
   StateFormat m_format, v_format;
   bool stochastic_rounding;
@@ -213,7 +214,7 @@ struct AdamStatesOp {
       float x = param_value(rp[e], rr[e]);
       adam_update(x, to_float(rg[e]) * gs, m[e], v[e], c);
       Philox4 r{};
-      if (need_bits) r = rounding_bits(key, i + e);
+      if (need_bits) r = rounding_bits(a.keys, key, i + e);
       if constexpr (kRem) {
         split_bf16_remainder(x, rp[e], rr[e]);
       } else if constexpr (kRoundParam) {
@@ -319,7 +320,7 @@ struct AdamStatesOp {
       Elem x = load_elem(blk, a, maps, m_old, v_old, i, gs);
       adam_update(x.p, x.g, x.m, x.v, c);
       Philox4 r{};
-      if (need_bits) r = rounding_bits(key, i);
+      if (need_bits) r = rounding_bits(a.keys, key, i);
       P pv;
       int16_t rv = 0;
       if constexpr (kRem) {
@@ -402,7 +403,7 @@ struct AdamStatesOp {
       if (m8 || v8) __syncthreads();  // uniform
     }
     const float gs = grad_factor(a.adam.grad_scale != nullptr ? *a.adam.grad_scale : 1.0f, c);
-    RoundingKey key{a.seed, step_word, 0, static_cast<uint64_t>(ch.start)};
+    RoundingKey key{step_word, 0, static_cast<uint64_t>(ch.start)};
     if (a.stochastic_rounding) {
       key.param_id = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(meta.addresses[kIdRow][ch.slot]));
       key.offset += static_cast<uint64_t>(reinterpret_cast<uintptr_t>(meta.addresses[kIdRow + 1][ch.slot]));
