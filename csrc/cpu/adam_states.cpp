@@ -237,14 +237,8 @@ struct MomentList {
 };
 
 struct StatesCtx {
-  const TensorLists* tl;
+  AdamCall call;
   const std::vector<int64_t>* block_offsets;  // flat_offsets of each tensor's block count
-  AdamCoeffs coeffs;
-  AdamHyper hyper;
-  double lr;
-  double step;
-  const std::vector<void*>* steps;  // capturable: per-tensor float32 step scalars (else nullptr)
-  float grad_scale;
   MomentList m, v;
   const AdamArgs* args;  // stochastic rounding: param ids and offsets
   PhiloxKeys keys;       // stochastic rounding: the seed's round keys
@@ -353,7 +347,7 @@ struct StatesRange {
 
   // Blocks [b, e) of the flat block numbering.
   static DISTOPT_ALWAYS_INLINE void run(const StatesCtx* ctx, int64_t b, int64_t e) {
-    const TensorLists& tl = *ctx->tl;
+    const TensorLists& tl = *ctx->call.tl;
     const std::vector<int64_t>& offsets = *ctx->block_offsets;
     const bool sr = ctx->args->stochastic_rounding;
     // Random words only where a bf16 store takes them (Philox is the costliest part of a rounded update).
@@ -366,13 +360,10 @@ struct StatesRange {
     for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
       const int64_t first = offsets[i];
       const int64_t block_hi = (e < offsets[i + 1] ? e : offsets[i + 1]) - first;
-      AdamCoeffs c = ctx->coeffs;
-      double step = ctx->step;
-      if (ctx->steps != nullptr) {
-        step = static_cast<double>(*static_cast<const float*>((*ctx->steps)[i]));
-        c = adam_coeffs(ctx->hyper, ctx->lr, step);
-      }
-      const float gf = grad_factor(ctx->grad_scale, c);
+      const AdamCall& call = ctx->call;
+      const double step = call.step_of(i);
+      const AdamCoeffs c = call.coeffs_of(step);
+      const float gf = grad_factor(call.grad_scale, c);
       RoundingKey key{};
       if (sr) {
         key.step = rounding_step(step);
@@ -380,25 +371,14 @@ struct StatesRange {
         key.offset = ctx->args->param_offsets.empty() ? 0 : ctx->args->param_offsets[i];
       }
       const int64_t numel = tl.numel[i];
-      auto* p_base = static_cast<P*>(tl.lists[kParam].data[i]);
-      const auto* g_base = static_cast<const G*>(tl.lists[kGrad].data[i]);
-      int16_t* rem_base = nullptr;
-      if constexpr (kRem) rem_base = static_cast<int16_t*>(tl.lists[kRemainder].data[i]);
-      O* out_base = nullptr;
-      if constexpr (is_present<O>) out_base = static_cast<O*>(tl.lists[kParamOut].data[i]);
+      const ParamLists<P, G, O, kRem> lists(tl, i);
 
       if (direct_bf16) {
         // Both moments bf16, rounded to nearest: no block structure to keep, the loop converts in place.
         const int64_t lo = (b - first) * kQuantBlock;
         const int64_t hi = block_hi * kQuantBlock < numel ? block_hi * kQuantBlock : numel;
-        auto* m = static_cast<bf16_t*>((*ctx->m.data)[i]) + lo;
-        auto* v = static_cast<bf16_t*>((*ctx->v.data)[i]) + lo;
-        int16_t* rem = kRem ? rem_base + lo : nullptr;
-        if (is_present<O> && out_base != nullptr) {
-          adam_piece<P, G, O, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, out_base + lo, rem, hi - lo, c, gf);
-        } else {
-          adam_piece<P, G, NoList, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, nullptr, rem, hi - lo, c, gf);
-        }
+        lists.update(lo, hi - lo, static_cast<bf16_t*>((*ctx->m.data)[i]) + lo,
+                     static_cast<bf16_t*>((*ctx->v.data)[i]) + lo, c, gf);
         b = first + block_hi;
         continue;
       }
@@ -422,35 +402,27 @@ struct StatesRange {
         }
         float* m = read_moment(ctx->m, i, lo, blk, n, mbuf);
         float* v = read_moment(ctx->v, i, lo, blk, n, vbuf);
-        P* p = p_base + lo;
-        const G* g = g_base + lo;
-        int16_t* rem = kRem ? rem_base + lo : nullptr;
         bool rounded = false;
         if constexpr (kRoundParam) {
           if (sr) {
+            P* p = lists.p + lo;
             for (int64_t j = 0; j < n; ++j) pbuf[j] = to_float(p[j]);
-            adam_piece<float, G, NoList, false>(pbuf, g, m, v, nullptr, nullptr, n, c, gf);
+            adam_piece<float, G, NoList, false>(pbuf, lists.g + lo, m, v, nullptr, nullptr, n, c, gf);
             for (int64_t j = 0; j < n; ++j) {
               const uint16_t bits = bf16_bits_stochastic(pbuf[j], rnd[0][j]);
               p[j] = P(bits, P::from_bits());
               pbuf[j] = float_from_bf16_bits(bits);
             }
             if constexpr (is_present<O>) {
-              if (out_base != nullptr) {
-                O* out = out_base + lo;
+              if (lists.out != nullptr) {
+                O* out = lists.out + lo;
                 for (int64_t j = 0; j < n; ++j) out[j] = from_float<O>(pbuf[j]);
               }
             }
             rounded = true;
           }
         }
-        if (!rounded) {
-          if (is_present<O> && out_base != nullptr) {
-            adam_piece<P, G, O, kRem>(p, g, m, v, out_base + lo, rem, n, c, gf);
-          } else {
-            adam_piece<P, G, NoList, kRem>(p, g, m, v, nullptr, rem, n, c, gf);
-          }
-        }
+        if (!rounded) lists.update(lo, n, m, v, c, gf);
         write_moment(ctx->m, i, lo, blk, n, m, bits_needed ? rnd[1] : nullptr);
         write_moment(ctx->v, i, lo, blk, n, v, bits_needed ? rnd[2] : nullptr);
       }
@@ -462,22 +434,13 @@ struct StatesRange {
 }  // namespace
 
 void adam_states_cpu(const TensorLists& tl, const AdamArgs& args) {
-  StatesCtx ctx;
-  ctx.tl = &tl;
   std::vector<int64_t> blocks(tl.numel.size());
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = (tl.numel[i] + kQuantBlock - 1) / kQuantBlock;
   const std::vector<int64_t> block_offsets = flat_offsets(blocks);
-  ctx.block_offsets = &block_offsets;
-  ctx.hyper = args.hyper;
-  ctx.lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
-  ctx.step = args.step;
-  ctx.steps = args.steps.empty() ? nullptr : &args.steps.data;
-  ctx.coeffs = adam_coeffs(args.hyper, ctx.lr, args.step);
-  ctx.grad_scale = args.grad_scale != nullptr ? *args.grad_scale : 1.0f;
-  ctx.m = moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true);
-  ctx.v = moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false);
-  ctx.args = &args;
-  ctx.keys = philox_keys(args.seed);
+  const StatesCtx ctx{AdamCall(tl, args), &block_offsets,
+                      moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true),
+                      moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false), &args,
+                      philox_keys(args.seed)};
   const CpuIsa isa = cpu_isa();
   constexpr int64_t kGrainBlocks = kGrainElements / kQuantBlock;
 
