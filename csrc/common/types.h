@@ -52,6 +52,32 @@ DISTOPT_HD float bits_float(uint32_t u) {
 #endif
 }
 
+// The high halves of a and b as one word (a's low): a byte permute on the device.
+DISTOPT_HD uint32_t pack_high_halves(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, 0x7632);
+#else
+  return (a >> 16) | (b & 0xffff0000u);
+#endif
+}
+
+// A word with its low (or high) half replaced by h's low half: one byte permute on the device.
+DISTOPT_HD uint32_t with_low_half(uint32_t w, uint32_t h) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(h, w, 0x7610);
+#else
+  return (w & 0xffff0000u) | (h & 0xffffu);
+#endif
+}
+
+DISTOPT_HD uint32_t with_high_half(uint32_t w, uint32_t h) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(w, h, 0x5410);
+#else
+  return (w & 0xffffu) | (h << 16);
+#endif
+}
+
 // float_bits and bits_float in constant expressions (the tables of math/quant_tables.h, built when the
 // kernels are compiled): __builtin_bit_cast is constexpr in GCC >= 11, Clang and nvcc, C++17 included.
 constexpr uint32_t float_bits_constexpr(float x) { return __builtin_bit_cast(uint32_t, x); }

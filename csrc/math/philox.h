@@ -13,8 +13,8 @@
 //
 // The key schedule (round r XORs k0 + r W0 and k1 + r W1) depends on the seed alone, so it is computed
 // once per update (philox_keys) instead of in every call: the CUDA kernels take it as a kernel
-// argument, where each round's key is an operand read from the constant bank, and a call is then
-// two 32x32->64 multiplies and two three-input xors per round. Same words as computing it in the rounds.
+// argument (uniform registers, loaded once), and a call is then two 32x32->64 multiplies and two
+// three-input xors per round. The same words as computing it in the rounds.
 #pragma once
 
 #include <cstdint>
@@ -54,13 +54,13 @@ DISTOPT_HD void philox_mulhilo(uint32_t m, uint32_t c, uint32_t& hi, uint32_t& l
 
 DISTOPT_HD uint32_t philox_xor3(uint32_t a, uint32_t b, uint32_t k) { return a ^ b ^ k; }
 
-// The ten rounds on the counter (c0, c1, c2, c3), in place: Lanes is uint32_t, or a vector of counters
-// with philox_mulhilo(uint32_t, Lanes, Lanes&, Lanes&) and philox_xor3(Lanes, Lanes, uint32_t) overloads
-// (found by argument-dependent lookup).
+// Rounds first..9 on the counter (c0, c1, c2, c3), in place: Lanes is uint32_t, or a vector of
+// counters with philox_mulhilo(uint32_t, Lanes, Lanes&, Lanes&) and philox_xor3(Lanes, Lanes, uint32_t)
+// overloads (found by argument-dependent lookup).
 template <typename Lanes>
-DISTOPT_HD void philox_rounds(Lanes& c0, Lanes& c1, Lanes& c2, Lanes& c3, const PhiloxKeys& key) {
+DISTOPT_HD void philox_rounds(Lanes& c0, Lanes& c1, Lanes& c2, Lanes& c3, const PhiloxKeys& key, int first = 0) {
 DISTOPT_UNROLL
-  for (int r = 0; r < kPhiloxRounds; ++r) {
+  for (int r = first; r < kPhiloxRounds; ++r) {
     Lanes hi0, lo0, hi1, lo1;
     philox_mulhilo(kPhiloxM0, c0, hi0, lo0);
     philox_mulhilo(kPhiloxM1, c2, hi1, lo1);
@@ -93,6 +93,44 @@ struct RoundingKey {
 DISTOPT_HD Philox4 rounding_bits(const PhiloxKeys& keys, const RoundingKey& key, int64_t index) {
   const uint64_t e = key.offset + static_cast<uint64_t>(index);
   return philox4x32_10(static_cast<uint32_t>(e), static_cast<uint32_t>(e >> 32), key.param_id, key.step, keys);
+}
+
+// rounding_bits for the elements of one tensor: what rounds 0 and 1 take from terms that are the same
+// for all of them (the param id's product, the step, their round keys) combined once. The same xors,
+// grouped otherwise, so the same words; a call is then the two multiplies and two xors of each round
+// but round 0's (one and two).
+struct RoundingStream {
+  uint64_t offset;  // the tensor's first element within its param
+  uint32_t c0_key;  // hi(M1 * param id) ^ k0[0]: round 0's c0 is it ^ the index's high word
+  uint32_t c1_key;  // lo(M1 * param id) ^ k0[1]: round 0's c1, with round 1's key
+  uint32_t c2_key;  // step ^ k1[0]: round 0's c2 is it ^ hi(M0 * the index's low word)
+};
+
+DISTOPT_HD RoundingStream rounding_stream(const PhiloxKeys& keys, const RoundingKey& key) {
+  uint32_t hi1 = 0, lo1 = 0;
+  philox_mulhilo(kPhiloxM1, key.param_id, hi1, lo1);
+  return RoundingStream{key.offset, hi1 ^ keys.k0[0], lo1 ^ keys.k0[1], key.step ^ keys.k1[0]};
+}
+
+// The words of the element whose index within its param is e (the stream's offset plus its index in the
+// tensor: a caller may add the offset once for many elements).
+DISTOPT_HD Philox4 rounding_bits_at(const PhiloxKeys& keys, const RoundingStream& s, uint64_t e) {
+  uint32_t hi0 = 0, lo0 = 0;
+  philox_mulhilo(kPhiloxM0, static_cast<uint32_t>(e), hi0, lo0);  // round 0
+  uint32_t c0 = s.c0_key ^ static_cast<uint32_t>(e >> 32), c2 = s.c2_key ^ hi0, c3 = lo0;
+  uint32_t hi1 = 0, lo1 = 0;  // round 1, its c1 (round 0's) a constant
+  philox_mulhilo(kPhiloxM0, c0, hi0, lo0);
+  philox_mulhilo(kPhiloxM1, c2, hi1, lo1);
+  c0 = hi1 ^ s.c1_key;
+  uint32_t c1 = lo1;
+  c2 = philox_xor3(hi0, c3, keys.k1[1]);
+  c3 = lo0;
+  philox_rounds(c0, c1, c2, c3, keys, 2);
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+DISTOPT_HD Philox4 rounding_bits(const PhiloxKeys& keys, const RoundingStream& s, int64_t index) {
+  return rounding_bits_at(keys, s, s.offset + static_cast<uint64_t>(index));
 }
 
 // The step as the counter word: whole steps (the eager step, or a capturable float32 step tensor).
