@@ -18,6 +18,11 @@ each repetition's back-to-back pair, distopt's time over torch's):
                 shards' sizes, given the same grads (what DTensor params cost on top of plain ones)
   fsdp2_kept    then FusedAdam vs AdamW(fused=True) with the grads kept from step to step, as the
                 fused_* rows time it (FusedAdam's plan then skips checking new grads)
+  loop_*        the loop users run (zero_grad(), forward, backward, step; the step timed), on a stack
+                of nn.Linear(16, 16) (1,000 or 10,000 params of 256 and 16 elements): plain params and
+                FSDP2 against AdamW(fused=True) and AdamW(foreach=True), zero_grad(set_to_none=False),
+                and DistributedFusedAdam's step; see host_loop.py. The JSON's ``phases`` splits
+                FusedAdam's step in loop_1k into the plan's checks, the kernel call and the rest.
 After timing, each pair's params are compared (they took the same steps from the same start), so a
 fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
 
@@ -46,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
+import host_loop  # noqa: E402
 from common import plot_bars, publish, run_metadata, summarize, table_row  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
@@ -78,10 +84,23 @@ CASES = (
     Case("fsdp2_foreach", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
     Case("fsdp2_local", "step", 1_000, 16, "FusedAdam FSDP2", "FusedAdam local-size"),
     Case("fsdp2_kept", "step (kept)", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
+    # The loop users run (host_loop.py): Linear(16, 16) layers, 136 elements per param on average.
+    Case("loop_1k", "loop", 1_000, 136, "FusedAdam", "AdamW(fused=True)"),
+    Case("loop_1k_foreach", "loop", 1_000, 136, "FusedAdam", "AdamW(foreach=True)"),
+    Case("loop_1k_keep", "loop, kept grads", 1_000, 136, "FusedAdam", "AdamW(fused=True)"),
+    Case("loop_10k", "loop", 10_000, 136, "FusedAdam", "AdamW(fused=True)"),
+    Case("loop_10k_foreach", "loop", 10_000, 136, "FusedAdam", "AdamW(foreach=True)"),
+    Case("loop_10k_keep", "loop, kept grads", 10_000, 136, "FusedAdam", "AdamW(fused=True)"),
+    Case("loop_fsdp2_1k", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
+    Case("loop_fsdp2_1k_foreach", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
+    Case("loop_dfa_1k", "loop, ws2 step", 1_000, 136, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
 )
 FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local", "fsdp2_kept")  # one run times them all
+LOOP_FSDP2_CASES = ("loop_fsdp2_1k", "loop_fsdp2_1k_foreach")  # likewise
 TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1,  # ratio <= target
-           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15}
+           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15,
+           "loop_1k": 0.5, "loop_1k_foreach": 0.5, "loop_1k_keep": 0.4, "loop_10k": 0.5, "loop_10k_foreach": 0.5,
+           "loop_10k_keep": 0.4, "loop_fsdp2_1k": 0.15, "loop_fsdp2_1k_foreach": 0.15, "loop_dfa_1k": 1.0}
 CONFIGS = {
     "full": Config(warmup=5, reps=30, cases=CASES),
     "quick": Config(
@@ -343,6 +362,36 @@ def fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list[Row]
                      reference) for c in cases]
 
 
+def loop_case(case: Case, cfg: Config) -> Row:
+    """A loop_* row of plain params (host_loop.py)."""
+    peer = "foreach" if case.name.endswith("_foreach") else "fused"
+    times, (ours, theirs) = host_loop.plain_loop(case.count, peer, not case.name.endswith("_keep"), alternate,
+                                                 cfg.warmup, cfg.reps)
+    return make_row(case, times, max_diff(ours, theirs), theirs)
+
+
+def loop_fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list[Row]:
+    """The loop_fsdp2 rows (those in `cases`) from one run on 2 forked ranks; times are rank 0's."""
+    from distopt.testing import run_ranks
+
+    times, whole = run_ranks(host_loop.fsdp2_rank, 2, (cases[0].count, cfg.warmup, cfg.reps, alternate),
+                             timeout=timeout)[0]
+    rows = []
+    for c in cases:
+        peer = "foreach" if c.name.endswith("_foreach") else "fused"
+        rows.append(make_row(c, {"distopt": times["distopt"], "torch": times[peer]},
+                             max_diff(whole["distopt"], whole[peer]), whole[peer]))
+    return rows
+
+
+def loop_dfa_case(case: Case, cfg: Config, timeout: float) -> Row:
+    from distopt.testing import run_ranks
+
+    times, (ours, theirs) = run_ranks(host_loop.dfa_rank, 2, (case.count, cfg.warmup, cfg.reps, alternate),
+                                      timeout=timeout)[0]
+    return make_row(case, times, max_diff(ours, theirs), theirs)
+
+
 # ------------------------------------------------------------------------------------------ output
 
 _COLUMNS = (
@@ -414,6 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if case.name in FSDP2_CASES:
             if case.name == next(c.name for c in chosen if c.name in FSDP2_CASES):
                 rows += fsdp2_cases([c for c in chosen if c.name in FSDP2_CASES], cfg, args.timeout)
+        elif case.name in LOOP_FSDP2_CASES:
+            if case.name == next(c.name for c in chosen if c.name in LOOP_FSDP2_CASES):
+                rows += loop_fsdp2_cases([c for c in chosen if c.name in LOOP_FSDP2_CASES], cfg, args.timeout)
+        elif case.name == "loop_dfa_1k":
+            rows.append(loop_dfa_case(case, cfg, args.timeout))
+        elif case.name.startswith("loop_"):
+            rows.append(loop_case(case, cfg))
         elif case.name == "dfa_ws2":
             rows.append(dfa_ws2_case(case, cfg, args.timeout))
         elif case.name == "dfa_ws1":
@@ -421,8 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             rows.append(step_case(case, cfg))
     device = torch.device("cpu")
+    loop_1k = next((c for c in chosen if c.name == "loop_1k"), None)
     meta = run_metadata(
         device,
+        phases=host_loop.phases(loop_1k.count, cfg.warmup, cfg.reps) if loop_1k else None,
         threads=args.threads,
         warmup=cfg.warmup,
         reps=cfg.reps,

@@ -15,10 +15,15 @@ position in param_groups order, element index).
 DTensor params: bf16 moments go as fp32 ones do. 8-bit moments and stochastic rounding count blocks
 and rounding keys from the param's first element, so each rank's shard must be one contiguous range
 of the param: sharded along dim 0 (FSDP2's ``Shard(0)``) over at most one mesh dimension, and for
-8-bit, every rank's shard starting at a multiple of 256 elements, so whole blocks sit on one rank and
-the absmax is itself a ``Shard(0)`` DTensor of the param's blocks. Anything else raises at
-construction (or at the first step for params swapped in later), naming the param: never a result
-that depends on the sharding.
+8-bit, every rank's non-empty shard starting at a multiple of 256 elements of the param, so whole
+blocks sit on one rank. FSDP2's uneven (padded) shards qualify: ``torch.chunk`` gives every shard but
+the last ``ceil(rows / ranks)`` rows, so the rule is that many rows times the elements per row being a
+multiple of 256 (a 50,257 x 768 embedding on 8 ranks: 6,283 rows of 768). The absmax is then a
+DTensor with the param's placements laid out by the param's rows (``moment_formats.absmax_shape``:
+e.g. (33, 2) for a (33, 512) param), which shards along dim 0 exactly as the param does at every
+world size, so torch.distributed.checkpoint saves and reshards it. Anything else raises at
+construction (or at the first step for params swapped in later), naming the param and the rule: never
+a result that depends on the sharding.
 """
 
 from __future__ import annotations
@@ -115,18 +120,16 @@ class MomentState:
             return
         _, row, counts = layout
         starts = [sum(counts[:i]) * row for i in range(len(counts))]
-        blocks = [-(-c * row // QUANT_BLOCK) for c in counts]
-        total = mf.num_blocks(p.numel())
-        per = -(-total // len(counts))
-        chunked = [max(0, min(per, total - i * per)) for i in range(len(counts))]
         bad = [s for s, c in zip(starts, counts) if c and s % QUANT_BLOCK]
-        if bad or blocks != chunked:
+        if bad:  # (when none is, the absmax rows split as the param's rows: moment_formats.absmax_shape)
             raise ValueError(f"FusedAdam: 8-bit moments keep one absmax per {QUANT_BLOCK} elements counted from the "
-                             f"param's first element, so each rank's shard must start at a multiple of "
-                             f"{QUANT_BLOCK} elements; {_name(p, where)} is split into dim-0 shards of {counts} rows "
-                             f"of {row} elements (shards starting at elements {starts}). Use exp_avg_dtype/"
-                             "exp_avg_sq_dtype=torch.bfloat16 for it, or shard so that rows x shard rows is a "
-                             f"multiple of {QUANT_BLOCK}")
+                             f"param's first element, so every rank's non-empty shard must start at a multiple of "
+                             f"{QUANT_BLOCK} elements: the rows of a full shard (ceil(rows / ranks) = {counts[0]}) "
+                             f"times the elements per row ({row}) must be a multiple of {QUANT_BLOCK}. "
+                             f"{_name(p, where)} is split into dim-0 shards of {counts} rows of {row} elements "
+                             f"(shards starting at elements {starts}; {bad[0]} is not a multiple of {QUANT_BLOCK}). "
+                             "Use exp_avg_dtype/exp_avg_sq_dtype=torch.bfloat16 for it, or a number of ranks for "
+                             "which the rule holds")
 
     def check_params(self, groups: list[dict[str, Any]], *, master_weights: bool | None) -> None:
         """Checks every param, and (unless `master_weights` is None: a step's params, not all of them)
@@ -167,8 +170,15 @@ class MomentState:
     @staticmethod
     def scales(states: Sequence[dict[str, Any]]) -> tuple[list[Tensor], list[Tensor]]:
         """The absmax tensors of the 8-bit moments of `states` (all of one format; empty lists for the
-        others), per moment: the state's own tensors (a DTensor param's: pass its local state)."""
+        others), per moment: the state's own tensors."""
         return tuple([s[mf.ABSMAX_KEYS[name]] for s in states]
+                     if states and states[0][name].dtype == torch.uint8 else [] for name in MOMENTS)
+
+    @staticmethod
+    def kernel_scales(states: Sequence[dict[str, Any]]) -> tuple[list[Tensor], list[Tensor]]:
+        """``scales(states)`` as the kernel takes them: local, 1-D, one per block of the local codes (a
+        DTensor param's absmax rows hold zeros past its blocks: a view of the blocks)."""
+        return tuple([mf.block_view(dtensor.local(s[mf.ABSMAX_KEYS[name]]), dtensor.local(s[name])) for s in states]
                      if states and states[0][name].dtype == torch.uint8 else [] for name in MOMENTS)
 
     def call_kwargs(self, exp_avg_scales: list[Tensor], exp_avg_sq_scales: list[Tensor], ids: Sequence[int],
@@ -195,7 +205,8 @@ class MomentState:
             scales = saved.get(mf.ABSMAX_KEYS[name])
             if value.dtype == torch.uint8:
                 local = dtensor.local(value)
-                if not isinstance(scales, Tensor) or dtensor.local(scales).numel() != mf.num_blocks(local.numel()):
+                blocks = mf.saved_blocks(dtensor.local(scales) if isinstance(scales, Tensor) else None, local)
+                if blocks is None:
                     raise ValueError(f"loaded 8-bit {name} of a param of shape {tuple(p.shape)} needs "
                                      f"{mf.ABSMAX_KEYS[name]!r}: {mf.num_blocks(local.numel())} float32 scales")
             out[name] = mf._map_local(lambda v, s, n=name: mf.layout_to_float32(v, s, mf.SIGNED[n]), value, scales)
@@ -215,8 +226,9 @@ class MomentState:
             if _same_bits_layout(p, value, like):
                 codes = like.copy_(dtensor.local(dtensor.placed_like(p, value, name)))  # a whole one: this rank's part
                 scales = None
-                if dtype == torch.uint8:
-                    scales = dtensor.local(saved[absmax_key]).to(p.device, torch.float32).reshape(-1)
+                if dtype == torch.uint8:  # (saved_as_float32 checked them)
+                    scales = mf.saved_blocks(dtensor.local(saved[absmax_key]), dtensor.local(value))
+                    scales = scales.to(p.device, torch.float32)
                     if isinstance(p, DTensor) and not isinstance(value, DTensor):  # this rank's blocks of all
                         first = element_offset(p) // QUANT_BLOCK
                         scales = scales[first : first + mf.num_blocks(local_p.numel())]
@@ -230,13 +242,18 @@ class MomentState:
 
 
 def _absmax_like(p: Tensor, local_scales: Tensor) -> Tensor:
-    """The absmax of a param's 8-bit moment: the local scales, for a DTensor param a DTensor of all the
-    param's blocks with its placements (Shard(0) where it is sharded: check_param saw the blocks align)."""
+    """The absmax of a param's 8-bit moment from its local blocks (1-D): those, for a DTensor param a
+    DTensor with the param's placements in ``moment_formats.absmax_shape`` layout, the local rows holding
+    the blocks then zeros (check_param saw every shard start on a block, so the rows split as the
+    param's do)."""
     if not isinstance(p, DTensor):
         return local_scales
-    blocks = mf.num_blocks(p.numel())
-    return DTensor.from_local(local_scales, p.device_mesh, p.placements, shape=torch.Size([blocks]), stride=(1,),
-                              run_check=False)
+    rows, cols = mf.absmax_shape(p._local_tensor.shape)
+    padded = local_scales.new_zeros(rows * cols)
+    padded[: local_scales.numel()].copy_(local_scales)
+    shape = mf.absmax_shape(p.shape)
+    return DTensor.from_local(padded.view(rows, cols), p.device_mesh, p.placements, shape=torch.Size(shape),
+                              stride=(shape[1], 1), run_check=False)
 
 
 def _same_bits_layout(p: Tensor, value: Any, like: Tensor) -> bool:

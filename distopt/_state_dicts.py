@@ -15,9 +15,16 @@ from torch import Tensor
 
 from ._validation import check_adam_hyperparameters
 from .dtensor import is_dtensor, placed_like
-from .moment_formats import moments_named
+from .moment_formats import SEED_KEY, moments_named
 
 RESTORED = ("betas", "eps", "weight_decay")
+# Param-group keys that stay the loading optimizer's: how it runs (its implementation switches, capturable,
+# which only mirrors the optimizer's own setting), options it refuses (checked: False in the saved groups),
+# and what is restored by its own rules below or elsewhere (the stochastic-rounding seed:
+# moment_formats.MomentFormats.restore_seeds). Every other saved key comes back, as torch.optim restores
+# every key (an LR scheduler's ``initial_lr``, user keys such as a group's name).
+OWN_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "amsgrad", SEED_KEY,
+                      "lr", "adam_w_mode", "decoupled_weight_decay", "maximize", "param_names", *RESTORED})
 
 
 def _weight_decay_mode(saved: dict[str, Any]) -> bool | None:
@@ -53,13 +60,17 @@ def check_saved_groups(groups: list[dict[str, Any]], saved_groups: Any) -> None:
 
 
 def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
-    """Copies lr, betas, eps, weight_decay, the weight-decay switch (adam_w_mode, and
-    decoupled_weight_decay where the group has that key: a torch group's sets both) and, into groups
-    with that key, maximize (absent from a group saved before it existed: False) from the saved
-    groups, and ``param_names`` as torch.optim does: the saved names where there are some, else the
-    group's own (if any). A tensor lr (capturable) is filled in place, so a captured CUDA graph keeps
-    reading it."""
+    """Gives the groups the saved groups' keys, as torch.optim does: every key but the optimizer's own
+    (``OWN_KEYS``: foreach, fused, capturable, ...) as saved (an LR scheduler's ``initial_lr``, user
+    keys), and one the saved group lacks removed; lr, betas, eps, weight_decay, the weight-decay switch
+    (adam_w_mode, and decoupled_weight_decay where the group has that key: a torch group's sets both)
+    and, into groups with that key, maximize (absent from a group saved before it existed: False); and
+    ``param_names`` as torch.optim does: the saved names where there are some, else the group's own
+    (if any). A tensor lr (capturable) is filled in place, so a captured CUDA graph keeps reading it."""
     for group, saved in zip(groups, saved_groups):
+        for key in [k for k in group if k not in OWN_KEYS and k not in saved]:
+            del group[key]
+        group.update((k, v) for k, v in saved.items() if k not in OWN_KEYS)
         for key in RESTORED:
             if key in saved:
                 group[key] = tuple(saved[key]) if key == "betas" else saved[key]

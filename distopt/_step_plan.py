@@ -1,22 +1,30 @@
 """FusedAdam's step plan: the fused kernel's argument lists, built once and reused while nothing they
-depend on changes, so that a steady-state ``step()`` does no Python work per param.
+depend on changes, so that a steady-state ``step()`` does no Python work per param beyond a few
+whole-list passes, whether the gradients are new tensors (``zero_grad()``'s default sets them to None
+and backward makes new ones) or the same ones as last step.
 
 A plan is built after a step that went the general (per-param) way, from the params that had a
 gradient then (their state exists by then). It holds, per kernel call (one per param group and
 combination of dtypes), the param, moment, master and step lists, and what it expects of the
-gradients. Each later step re-reads ``.grad`` (autograd makes new gradient tensors every backward
-after ``zero_grad()``) and checks them against the plan with whole-list operations (``map`` over C
-getters, no Python loop per param): every planned param has a gradient of the planned dtype, shape,
-strides, layout and device, and no unplanned param got one; the groups hold the planned params and
-the state the planned tensors (identity checks over whole lists: a param swapped into a group or a
-state tensor replaced by assignment would otherwise be missed). The plan itself is dropped when the
-optimizer's structure changes: param groups added or their param lists resized, the state loaded,
-replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout,
-a param that gained or lost its gradient, a replaced tensor) takes the general way for that step,
-which raises the precise errors and builds a new plan.
+gradients. Each later step re-reads ``.grad`` and checks, with whole-list operations (``map`` over C
+getters, no Python loop per param), what the kernel does not: the groups hold the planned params and
+the state the planned tensors (identity checks: a param swapped into a group or a state tensor
+replaced by assignment would otherwise be missed), the params keep their dtypes, and no unplanned param
+got a gradient. The gradients themselves are checked by the kernel, which checks every list (a missing
+gradient, dtype, device, layout, shape, strides) before it writes anything: the first call's
+gradients are left to it (if it refuses them, that step goes the general way, nothing having changed);
+later calls' gradients are checked here before the first call runs (missing, the planned dtype, dense,
+the planned strides), so that a step is never left half done. Autograd and the ``.grad`` setter already
+give a gradient its param's device and shape. The plan itself is dropped when the optimizer's structure
+changes: param groups added or their param lists resized, the state loaded, replaced or given entries,
+the params' dtypes changed. Anything else (a gradient in another layout, a param that gained or lost
+its gradient, a replaced tensor) takes the general way for that step, which raises the precise errors
+and builds a new plan.
 
 DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
-the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py).
+the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py);
+a gradient placed unlike its param (a ``Replicate`` gradient of a ``Shard(0)`` param) is converted as
+the general step converts it (``dtensor.GradConversion``), by a slice where that is enough.
 """
 
 from __future__ import annotations
@@ -38,7 +46,6 @@ _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
 _shape = operator.attrgetter("shape")
 _layout = operator.attrgetter("layout")
-_device = operator.attrgetter("device")
 _stride = operator.methodcaller("stride")
 _is_none = functools.partial(operator.is_, None)
 _local = operator.attrgetter("_local_tensor")  # a DTensor's local shard
@@ -64,7 +71,7 @@ class Call:
     strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: _kernel_views.py)
     viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (_kernel_views.py)
     entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
-    last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
+    last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked (in Python)
     # Eager steps: the call's params share one step count, and their step tensors are views of this
     # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
     # longer than the update itself).
@@ -87,21 +94,21 @@ class Call:
         """The dtypes of the planned params now."""
         return set(map(_dtype, self.model_params))
 
-    def grads(self, device: torch.device) -> list[Tensor] | None:
-        """The current grads if they are what the plan expects, else None."""
-        return self.checked(list(map(_grad, self.model_params)), device)
+    def grads(self, checked: bool) -> list[Tensor] | None:
+        """The current grads, or None where they are not what the plan expects; `checked`: check here what
+        the kernel would (else the kernel checks them itself, before writing anything)."""
+        return self.checked(list(map(_grad, self.model_params)), checked)
 
-    def checked(self, grads: list[Tensor], device: torch.device) -> list[Tensor] | None:
-        """`grads` (what the kernel reads) if they are what the plan expects, else None."""
+    def checked(self, grads: list[Tensor], checked: bool) -> list[Tensor] | None:
+        """`grads` (what the kernel reads), checked (see ``grads``) unless they are those checked last step
+        (accumulated in place, or never zeroed). Only checked grads are remembered: holding the others
+        would keep last step's grads alive until this one, and free them inside it."""
+        if not checked:
+            return grads
         if len(grads) == len(self.last_grads) and all(map(operator.is_, grads, self.last_grads)):
-            return grads  # the same tensors as last step (accumulated in place, or never zeroed)
-        if any(map(_is_none, grads)):
-            return None
-        if set(map(_dtype, grads)) != {self.grad_dtype} or set(map(_layout, grads)) != {torch.strided}:
-            return None
-        if set(map(_device, grads)) != {device}:
-            return None
-        if list(map(_shape, grads)) != self.shapes or list(map(_stride, grads)) != self.strides:
+            return grads
+        if (any(map(_is_none, grads)) or set(map(_dtype, grads)) != {self.grad_dtype}
+                or set(map(_layout, grads)) != {torch.strided} or list(map(_stride, grads)) != self.strides):
             return None
         self.last_grads = grads
         return grads
@@ -115,9 +122,10 @@ class StepPlan:
     params: list[Tensor]  # every group's params, in order, when the plan was built
     entries: list[dict[str, Any]]  # the state's per-param dicts, in its order, when the plan was built
 
-    def current(self, key: tuple, device: torch.device, groups: list[dict[str, Any]], state: Any
+    def current(self, key: tuple, groups: list[dict[str, Any]], state: Any, check_first: bool
                 ) -> list[tuple[Call, list[Tensor]]] | None:
-        """[(call, grads)] for this step, or None where the plan does not describe it."""
+        """[(call, grads)] for this step, or None where the plan does not describe it. The first call's
+        grads are checked here only with `check_first` (else by the kernel, before it writes anything)."""
         if key != self.key:
             return None
         # A param swapped into a group's list, or a state tensor replaced (opt.state[p]["exp_avg"] = ...),
@@ -129,7 +137,7 @@ class StepPlan:
         if not all(map(_is_none, map(_grad, self.unplanned))):
             return None
         out = []
-        for call in self.calls:
+        for index, call in enumerate(self.calls):
             if call.dtypes() != {call.param_dtype}:
                 return None
             try:  # (itemgetter: a third of dict.get's time; a key gone raises KeyError)
@@ -141,7 +149,7 @@ class StepPlan:
             storage = call.step_storage
             if storage is not None and not bool((storage == storage[0]).all()):
                 return None  # a step count was changed in place: the general step takes each as it is
-            grads = call.grads(device)
+            grads = call.grads(checked=check_first or index > 0 or call.viewed)  # (views are built before the kernel)
             if grads is None:
                 return None
             out.append((call, grads))
@@ -210,33 +218,40 @@ class ShardedCall(Call):
     """A call over DTensor params (distopt/dtensor.py): the kernel's lists hold the local shards of the
     params and their state. ``held`` keeps what the state holds (the DTensors, and the plain step
     counters), which the identity checks compare. Each step checks that the params still wrap the
-    planned shards and that the grads are laid out as the params (FSDP2 gives a grad the param's own
-    spec; tensor parallelism a new spec, compared by mesh, placements and shape, with C-level
-    comparisons: meshes by identity with the mesh objects last seen, which DTensor's sharding cache may
-    share between equal meshes, compared by value once when they change), and unwraps the grads."""
+    planned shards and that the grads are laid out as when the plan was built (FSDP2 gives a grad the
+    param's own spec object; tensor parallelism a new spec each step, compared by mesh, placements and
+    shape, with C-level comparisons: meshes by identity with the mesh objects last seen, which DTensor's
+    sharding cache may share between equal meshes, compared by value once when they change), unwraps
+    them, and converts those placed unlike their params (``conversions``, as the general step does)."""
 
     held: list[tuple[str, list[Tensor]]] = field(default_factory=list)
     param_shards: list[Tensor] = field(default_factory=list)
-    specs: list[Any] = field(default_factory=list)
-    meshes: list[Any] = field(default_factory=list)
-    placements: list[tuple] = field(default_factory=list)
+    specs: list[Any] = field(default_factory=list)  # the grads' specs last seen
+    meshes: list[Any] = field(default_factory=list)  # the params'
+    grad_placements: list[tuple] = field(default_factory=list)  # the grads', when the plan was built
     global_shapes: list[torch.Size] = field(default_factory=list)
     grad_meshes: list[Any] = field(default_factory=list)  # the grads' last mesh objects, each equal to its param's
+    conversions: list[tuple[int, dtensor.GradConversion]] = field(default_factory=list)
 
     @classmethod
     def of(cls, call: Call) -> ShardedCall:
         sharded = cls(**{f.name: getattr(call, f.name) for f in fields(Call)})
         sharded.held = call.state_lists()
-        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs", "exp_avg_scales", "exp_avg_sq_scales"):
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "param_outs"):
             setattr(sharded, name, [dtensor.local(t) for t in getattr(call, name)])
+        sharded.exp_avg_scales, sharded.exp_avg_sq_scales = MomentState.kernel_scales(call.entries)
         sharded.param_shards = list(map(_local, call.model_params))
         sharded.shapes = list(map(_shape, sharded.param_shards))
         sharded.strides = list(map(_stride, sharded.param_shards))
-        sharded.specs = list(map(_spec, call.model_params))
-        sharded.meshes = list(map(_mesh, sharded.specs))
-        sharded.placements = list(map(_placements, sharded.specs))
+        grads = list(map(_grad, call.model_params))  # (the general step has just taken them)
+        sharded.specs = list(map(_spec, grads))
+        sharded.meshes = list(map(_mesh, map(_spec, call.model_params)))
+        sharded.grad_placements = list(map(_placements, sharded.specs))
         sharded.global_shapes = list(map(_shape, call.model_params))
         sharded.grad_meshes = sharded.meshes
+        sharded.conversions = [(i, dtensor.GradConversion(p, g)) for i, (p, g) in enumerate(zip(call.model_params,
+                                                                                                 grads))
+                               if g._spec is not p._spec and tuple(g.placements) != tuple(p.placements)]
         return sharded
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
@@ -245,10 +260,13 @@ class ShardedCall(Call):
     def dtypes(self) -> set[torch.dtype]:
         return set(map(_dtype, self.param_shards))  # a DTensor's own getters cost twice a plain tensor's
 
-    def grads(self, device: torch.device) -> list[Tensor] | None:
+    def grads(self, checked: bool) -> list[Tensor] | None:
         if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):
             return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
-        grads = list(map(_grad, self.model_params))
+        # A DTensor's .grad getter first looks for a __torch_function__ override (a few microseconds a
+        # param); DTensor has none that applies to it, so it is read with subclass overrides disabled.
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = list(map(_grad, self.model_params))
         try:
             specs = list(map(_spec, grads))
         except AttributeError:
@@ -259,16 +277,11 @@ class ShardedCall(Call):
                 if not all(map(operator.eq, meshes, self.meshes)):
                     return None  # the general step checks each grad and raises the precise error
                 self.grad_meshes = meshes
-            if not (all(map(operator.eq, map(_placements, specs), self.placements))
+            if not (all(map(operator.eq, map(_placements, specs), self.grad_placements))
                     and list(map(_shape, grads)) == self.global_shapes):
                 return None
-            return self.checked(list(map(_local, grads)), device)
-        # FSDP2: each grad has its param's own spec, hence (DTensor's invariants) the planned dtype, layout
-        # and shapes; strides and device remain to check (the kernel checks all again before writing).
+            self.specs = specs
         shards = list(map(_local, grads))
-        if len(shards) == len(self.last_grads) and all(map(operator.is_, shards, self.last_grads)):
-            return shards
-        if set(map(_device, shards)) != {device} or list(map(_stride, shards)) != self.strides:
-            return None
-        self.last_grads = shards
-        return shards
+        for i, convert in self.conversions:
+            shards[i] = convert(grads[i])
+        return self.checked(shards, checked)

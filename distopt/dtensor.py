@@ -10,10 +10,16 @@ torch's ``get_optimizer_state_dict``, ``set_optimizer_state_dict`` and ``torch.d
 save, load and reshard it. Step counters stay plain float32 scalars, as torch.optim.AdamW keeps them
 for DTensor params.
 
-A param, its gradient and its state must agree in mesh, placements and shape: that is checked when
-the general step reads them (the plan then only compares identities) and a mismatch or a ``Partial``
-gradient raises, never updates with the wrong shard. Zero-element local shards (uneven sharding, ranks
-that hold nothing) go through every list and every collective like any other.
+A param and its state must agree in mesh, placements and shape; its gradient must be on the same mesh
+with the same global shape, and is taken as torch's optimizers take it (``grad_shard``): where its
+placements differ from the param's (tensor parallelism gives a ``Shard(0)`` param a ``Replicate``
+gradient, sequence parallelism a ``Replicate`` norm weight a ``Partial`` one), the values of the param's
+shard are those of ``grad.redistribute(param's placements)``, found by slicing the local gradient where
+the gradient is replicated, else by the collective DTensor runs (a reduction of a ``Partial`` gradient,
+a gather of a sharded one), which every rank enters in param order, as under torch's optimizers (every
+rank gives a param's gradient the same placements, as one SPMD program does). Anything else raises
+before anything changes, never updates with the wrong shard. Zero-element local shards (uneven
+sharding, ranks that hold nothing) go through every list and every collective like any other.
 
 Norms (``NormReduction``): the whole model's sum of squares is each param's local sum, all-reduced
 over the mesh dimensions the param is sharded along (``Shard``, FSDP's ``_StridedShard``) and not over
@@ -32,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import ops
 from ._kernel_views import norm_view
@@ -95,31 +101,67 @@ def check_params(params: Sequence[Tensor], owner: str, offload: bool) -> None:
 
 
 def check_grad(p: DTensor, grad: Tensor, owner: str = "FusedAdam") -> None:
-    """Raises unless `grad` is a DTensor laid out as its param `p` (mesh, placements, global shape);
-    `owner` (the optimizer's name) starts the message."""
+    """Raises unless `grad` is a DTensor on its param `p`'s mesh with its global shape (its placements
+    may differ: ``grad_shard``); `owner` (the optimizer's name) starts the message."""
     if not isinstance(grad, DTensor):
         raise RuntimeError(f"{owner}: a DTensor param ({_describe(p)}) has a {type(grad).__name__} gradient; "
-                           "it must be a DTensor with the param's mesh and placements")
-    if grad._spec is p._spec or _same_layout(grad, p):
+                           "it must be a DTensor on the param's mesh")
+    if grad._spec is p._spec or (grad.device_mesh == p.device_mesh and grad.shape == p.shape):
         return
-    hint = ""
-    if any(placement.is_partial() for placement in grad.placements):
-        hint = " (a Partial gradient is an unreduced sum: redistribute it to the param's placements first)"
     raise RuntimeError(f"{owner}: a gradient of shape {tuple(grad.shape)} with {_describe(grad)} does not match "
-                       f"its param ({tuple(p.shape)}, {_describe(p)}){hint}")
+                       f"its param ({tuple(p.shape)}, {_describe(p)}): it must be on the param's mesh, with its shape")
+
+
+class GradConversion:
+    """How a gradient laid out unlike its param (same mesh and global shape, other placements) becomes
+    the values of the param's local shard, as ``grad.redistribute(param's placements)`` gives them:
+    ``cut`` (per tensor dim, the (start, length) of the param's shard within the gradient's local
+    tensor) where every differing mesh dimension has a ``Replicate`` gradient and a plain ``Shard``
+    param (a slice, no communication), else None: DTensor's redistribution (a collective)."""
+
+    def __init__(self, p: DTensor, grad: DTensor) -> None:
+        self.mesh, self.placements = p.device_mesh, p.placements
+        self.shard = p._local_tensor  # whose layout (strides) the result takes
+        self.cut: tuple[tuple[int, int], ...] | None = None
+        if all(gp == pp or (gp.is_replicate() and type(pp) is Shard) for gp, pp in zip(grad.placements, p.placements)):
+            (mine,), (theirs,) = p.__create_chunk_list__(), grad.__create_chunk_list__()
+            self.cut = tuple((a - b, n) for a, b, n in zip(mine.offsets, theirs.offsets, mine.sizes))
+
+    def __call__(self, grad: DTensor) -> Tensor:
+        if self.cut is None:
+            local = grad.redistribute(self.mesh, self.placements)._local_tensor
+        else:
+            local = grad._local_tensor
+            for dim, (start, length) in enumerate(self.cut):
+                if start or length != local.shape[dim]:
+                    local = local.narrow(dim, start, length)
+        if local.stride() != self.shard.stride():  # (a slice along a later dim: copied into the shard's layout)
+            local = torch.empty_like(self.shard, dtype=local.dtype).copy_(local)
+        return local
+
+
+def grad_shard(p: Tensor, grad: Tensor, owner: str = "FusedAdam") -> Tensor:
+    """The gradient values of a DTensor param's local shard (checked by ``check_grad``): the gradient's
+    local tensor where it is laid out as the param, else converted as torch's optimizers convert it
+    (``GradConversion``). A plain param's gradient is returned as it is."""
+    if not isinstance(p, DTensor):
+        return grad
+    check_grad(p, grad, owner)
+    if grad._spec is p._spec or _same_layout(grad, p):
+        return grad._local_tensor
+    return GradConversion(p, grad)(grad)
 
 
 def local_param_and_grad(p: Tensor, owner: str = "FusedAdam") -> tuple[Tensor, Tensor]:
-    """(param, grad) as the kernel sees them: for a DTensor param, the local shards, after checking that
-    the grad is laid out as the param (`owner` starts the error messages)."""
+    """(param, grad) as the kernel sees them: for a DTensor param, its local shard and the gradient's
+    values for it (``grad_shard``; `owner` starts the error messages)."""
     grad = p.grad
     if not isinstance(p, DTensor):
         if isinstance(grad, DTensor):
             raise RuntimeError(f"{owner}: a plain param of shape {tuple(p.shape)} has a DTensor gradient "
                                f"({_describe(grad)})")
         return p, grad
-    check_grad(p, grad, owner)
-    return p._local_tensor, grad._local_tensor
+    return p._local_tensor, grad_shard(p, grad, owner)
 
 
 def check_states(params: Sequence[Tensor], state: dict[Tensor, dict[str, Any]]) -> None:
@@ -227,7 +269,7 @@ class NormReduction:
                 except RuntimeError as e:
                     error = error or str(e)
                     continue
-                g = g._local_tensor
+                g = grad_shard(p, g)  # (a collective where torch's optimizers would run one: GradConversion)
             if g.is_complex() or not g.is_contiguous():
                 g = norm_view(g)  # real and dense, as the L2-norm kernel takes it
             lists.setdefault((k, g.dtype, selected is None or i in selected), []).append(g)

@@ -256,10 +256,13 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             self._reset_grad_scaling()
             return loss  # an inf/nan step: nothing changes, the step counters included
 
-        if planned is not None:
-            for call, grads in planned:
+        # The first planned call's grads are checked by the kernel: if it refuses them (nothing written),
+        # this step goes the general way, which takes or refuses each one with the precise error.
+        if planned is not None and self._run_call(*planned[0], grad_scale, found_inf, refusable=True):
+            for call, grads in planned[1:]:
                 self._run_call(call, grads, grad_scale, found_inf)
         else:
+            work = self._work() if work is None else work
             for work_round in views.rounds(work):  # one, unless a group lists a param twice
                 for index, (group, params, grads) in enumerate(work_round):
                     if params:
@@ -307,10 +310,14 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def _planned_calls(self) -> list[tuple[_step_plan.Call, list[Tensor]]] | None:
         if self._plan is None:
             return None
-        return self._plan.current(self._plan_key(), self._device, self.param_groups, self.state)
+        # A capturable step counts its steps before the kernel runs: its grads are all checked first.
+        return self._plan.current(self._plan_key(), self.param_groups, self.state, check_first=self.capturable)
 
-    def _run_call(self, call: _step_plan.Call, grads: list[Tensor], grad_scale, found_inf) -> None:
-        """One planned kernel call: the lists of _step_group, without building them."""
+    def _run_call(self, call: _step_plan.Call, grads: list[Tensor], grad_scale, found_inf,
+                  refusable: bool = False) -> bool:
+        """One planned kernel call: the lists of _step_group, without building them. `refusable`: the
+        kernel's refusal of the grads (it checks every list before writing) returns False, nothing
+        having changed; otherwise it raises."""
         group = self.param_groups[call.group]
         hyper = self._hyper(group, grad_scale)
         lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
@@ -324,16 +331,17 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
             lr = self._capturable_lr(call.group)
             count_step(call.steps, found_inf)
             ops.adam_step_(**lists, lr=lr, step=call.steps, found_inf=found_inf, **hyper)
-            views.write_back(staged)
-            return
-        lr = float(group["lr"])
-        call.step_storage.add_(1)  # every param's step (views of it), counting this update
-        try:
-            ops.adam_step_(**lists, lr=lr, step=call.steps[0], **hyper)  # one CPU scalar: read at launch
-        except Exception:
-            call.step_storage.sub_(1)  # the op checks everything before writing: undo the count
-            raise
+        else:
+            call.step_storage.add_(1)  # every param's step (views of it), counting this update
+            try:  # (lr and the step: numbers read at launch)
+                ops.adam_step_(**lists, lr=float(group["lr"]), step=call.steps[0], **hyper)
+            except (RuntimeError, TypeError, ValueError):
+                call.step_storage.sub_(1)  # the op checks everything before writing: undo the count
+                if refusable:
+                    return False
+                raise
         views.write_back(staged)
+        return True
 
     def _work(self) -> list[tuple[dict, list[Tensor], list[Tensor]]]:
         """(group, params with a gradient, their checked gradients) per group: the general step's lists."""
@@ -422,7 +430,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                      exp_avg_sqs=[s["exp_avg_sq"] for s in states],
                      param_outs=[e[0] for e in entries] if has_master else ())
         lists, staged = views.kernel_lists(**lists) if key[3] else (lists, ())
-        lists.update(self._moments.call_kwargs(*MomentState.scales(states), [e[3][0] for e in entries],
+        lists.update(self._moments.call_kwargs(*MomentState.kernel_scales(states), [e[3][0] for e in entries],
                                                [e[3][1] for e in entries], group))
         return lists, staged
 
@@ -477,9 +485,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.AdamW``/``Adam``: moments in this
         optimizer's formats, whatever format they were saved in; a missing ``param`` is taken from the
-        current param. lr, betas, eps, weight_decay, maximize and the weight-decay switch come back (a
-        torch group's ``decoupled_weight_decay`` sets ``adam_w_mode``); foreach, fused and capturable stay
-        this optimizer's. Everything is checked before anything changes. Pre and post hooks run as in
+        current param. Every saved param-group key comes back as in torch.optim (``initial_lr``, user keys; a
+        torch group's ``decoupled_weight_decay`` sets ``adam_w_mode``) but foreach, fused and capturable,
+        which stay this optimizer's. Everything is checked before anything changes. Pre and post hooks run as in
         torch.optim: a pre hook gets a shallow copy of ``state_dict`` and may return a replacement."""
         load_with_hooks(self, state_dict, self._load_state_dict)
 

@@ -11,6 +11,7 @@ global size, never on a shard's, so every world size stores the same bits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,42 @@ class MomentFormats:
 def num_blocks(numel: int) -> int:
     """The number of absmax scales of an 8-bit moment of ``numel`` elements."""
     return -(-numel // state_formats.QUANT_BLOCK)
+
+
+def absmax_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The shape of the absmax scales of an 8-bit moment of a DTensor param (or a dim-0 shard of one) of
+    ``shape``: one row per ``k`` dim-0 rows of the param, ``k`` the fewest rows that fill whole
+    256-element blocks, so that the scales are sharded along dim 0 exactly as the param's rows are
+    (``torch.chunk``'s split of the param's rows and of these rows agree whenever every shard starts on
+    a block). Read flat, its first ``num_blocks(numel)`` entries are the param's blocks in order; the rest
+    (where the last row covers fewer than ``k`` param rows) are zeros, never read."""
+    rows = shape[0] if len(shape) else 1
+    row = math.prod(shape[1:])
+    if row == 0:
+        return (0, 0)
+    per = state_formats.QUANT_BLOCK // math.gcd(row, state_formats.QUANT_BLOCK)  # param rows per absmax row
+    return (-(-rows // per), per * row // state_formats.QUANT_BLOCK)
+
+
+def block_view(scales: Tensor, codes: Tensor) -> Tensor:
+    """The absmax blocks of 8-bit `codes` as the kernel takes them (one per 256 elements, 1-D): `scales`
+    itself where it is exactly that, else the first blocks of its ``absmax_shape`` layout (a view)."""
+    n = num_blocks(codes.numel())
+    return scales if scales.dim() == 1 and scales.numel() == n else scales.view(-1)[:n]
+
+
+def saved_blocks(scales: Any, codes: Tensor) -> Tensor | None:
+    """A saved absmax of 8-bit `codes` (shaped like their param, or a shard of it) as 1-D blocks: the
+    saved tensor flattened if it holds exactly one scale per block, or the blocks of its ``absmax_shape``
+    layout (what FusedAdam keeps for DTensor params); None if it is neither (not a valid absmax)."""
+    if not isinstance(scales, Tensor) or not scales.is_floating_point():
+        return None
+    n = num_blocks(codes.numel())
+    if scales.numel() == n:
+        return scales.reshape(-1)
+    if tuple(scales.shape) == absmax_shape(codes.shape) and scales.numel() >= n:
+        return scales.reshape(-1)[:n]
+    return None
 
 
 def zeros(numel: int, dtype: torch.dtype, device: torch.device, signed: bool) -> tuple[Tensor, Tensor | None]:

@@ -33,9 +33,9 @@ def train(params: list[nn.Parameter], grads: list[list[torch.Tensor]], **options
                     **options)
     planned, run_call = [0], opt._run_call
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         planned[0] += 1
-        return run_call(*args)
+        return run_call(*args, **kwargs)
 
     opt._run_call = counted
     history = []

@@ -101,6 +101,8 @@ def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
             value, scales = entry.get(name), entry.pop(mf.ABSMAX_KEYS[name], None)
             if not isinstance(value, Tensor) or value.dtype not in LOW:
                 continue
+            if value.dtype == torch.uint8 and not isinstance(value, ShardedParamState):
+                scales = mf.saved_blocks(scales, value)  # (FusedAdam's DTensor layout too: absmax_shape)
             if value.dtype == torch.uint8 and (not isinstance(scales, Tensor)
                                                or scales.numel() != mf.num_blocks(value.numel())):
                 raise ValueError(f"state {name!r} of param {key!r} is 8-bit: it needs {mf.ABSMAX_KEYS[name]!r}, "

@@ -10,10 +10,12 @@
   unsharded, given the gathered gradients (fp32, and bf16 with fp32 masters; FSDP2 and TP; with a
   plain param beside the DTensors in one group), and the unsharded optimizer's state dict loads into
   the sharded one, each rank taking its shards;
-- bad input is a clear error before anything changes, on every rank: a Partial gradient, a gradient
-  or state laid out unlike its param, a plain gradient for a DTensor param; DTensor params with
-  ``offload_optimizer`` or a Partial placement are refused at construction; a bad gradient on one rank
-  only makes that rank raise in ``clip_grad_norm`` after the norm's collectives, not hang the others.
+- bad input is a clear error before anything changes, on every rank: a gradient on another mesh, state
+  laid out unlike its param, a plain gradient for a DTensor param; DTensor params with
+  ``offload_optimizer`` or a Partial placement are refused at construction; a bad gradient on one
+  rank only makes that rank raise in ``clip_grad_norm`` after the norm's collectives, not hang the
+  others. (A gradient on the param's mesh and shape in other placements is stepped as torch steps it:
+  test_dtensor_grad_placements.py.)
 ``slow``: 2,000 steps keep the Python object count and RSS flat; a compiled step matches the eager one.
 """
 
@@ -25,7 +27,7 @@ import gc
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
@@ -164,11 +166,8 @@ def local_bytes(model: nn.Module, opt: FusedAdam) -> list[torch.Tensor]:
 
 def refusals(rank: int, world_size: int) -> dict:
     """(message, whether every local byte stayed) for each bad input given to a planned FSDP2 step."""
-    def partial(p):
-        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Partial()], run_check=False)
-
-    def replicate(p):
-        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Replicate()], run_check=False)
+    def other_mesh(p):  # a mesh of this rank alone
+        p.grad = DTensor.from_local(torch.ones(p.shape), DeviceMesh("cpu", [rank]), [Replicate()], run_check=False)
 
     def plain(p):
         p.grad = torch.ones(p.shape)
@@ -184,7 +183,7 @@ def refusals(rank: int, world_size: int) -> dict:
         opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].redistribute(p.device_mesh, [Replicate()])
 
     out = {}
-    for spoil in (partial, replicate, plain, plain_state, replicated_state, dtensor_grad_for_plain):
+    for spoil in (other_mesh, plain, plain_state, replicated_state, dtensor_grad_for_plain):
         model, _ = fsdp(0, rank, world_size)
         extra = nn.Parameter(torch.zeros(1))  # a plain param, in the first group (stepped with a zero grad)
         extra.grad = torch.zeros(1)
@@ -214,15 +213,15 @@ def refusals(rank: int, world_size: int) -> dict:
 
 
 def one_rank_bad_grad_in_clip(rank: int, world_size: int) -> tuple[str, str]:
-    """clip_grad_norm with a Partial gradient on rank 0 only: (what rank 0 got, what the others got).
-    Every rank completes the norm's collectives; rank 0 raises, the others get a nan norm and set the
-    inf flag (so a scaler would skip the step)."""
+    """clip_grad_norm with a gradient on another mesh on rank 0 only: (what rank 0 got, what the others
+    got). Every rank completes the norm's collectives; rank 0 raises, the others get a nan norm and set
+    the inf flag (so a scaler would skip the step)."""
     model, _ = fsdp(0, rank, world_size)
     opt = FusedAdam(groups(model))
     backward(model, 0, rank)
     if rank == 0:
         p = next(model.parameters())
-        p.grad = DTensor.from_local(torch.ones(p.shape), p.device_mesh, [Partial()], run_check=False)
+        p.grad = DTensor.from_local(torch.ones(p.shape), DeviceMesh("cpu", [rank]), [Replicate()], run_check=False)
     try:
         norm = opt.clip_grad_norm(1.0)
     except RuntimeError as e:
@@ -270,7 +269,7 @@ def test_update_is_bitwise_the_unsharded_update(results):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("partial", "Partial gradient"), ("replicate", "does not match its param"),
+    ("other_mesh", "does not match its param"),
     ("plain", "has a Tensor gradient"), ("plain_state", "state 'exp_avg'.*does not match"),
     ("replicated_state", "state 'exp_avg_sq'.*does not match"), ("offload", "offload_optimizer"),
     ("dtensor_grad_for_plain", "plain param .* has a DTensor gradient"),
@@ -368,6 +367,6 @@ def test_compiled_step_matches_eager():
 
 def test_a_bad_grad_on_one_rank_raises_there_without_leaving_the_others_waiting(results):
     assert results[0]["one_rank_bad_grad_in_clip"][0] == "raised", results[0]["one_rank_bad_grad_in_clip"]
-    assert "Partial" in results[0]["one_rank_bad_grad_in_clip"][1]
+    assert "does not match its param" in results[0]["one_rank_bad_grad_in_clip"][1]
     for r in results[1:]:
         assert r["one_rank_bad_grad_in_clip"] == ("norm", "nan found_inf 1.0"), r["one_rank_bad_grad_in_clip"]
