@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 namespace distopt {
 
@@ -17,13 +18,25 @@ std::string device_name(const Device& device) {
   return device.index() >= 0 ? name + ":" + std::to_string(device.index()) : name;
 }
 
-std::string dtype_name(ScalarType dtype) {
-  switch (dtype) {
-    case ScalarType::Float: return "float32";
-    case ScalarType::Half: return "float16";
-    case ScalarType::BFloat16: return "bfloat16";
-    case ScalarType::Short: return "int16";
-    case ScalarType::Byte: return "uint8";
+namespace {
+
+// The kernels' dtype of a tensor's ScalarType, if they have one.
+std::optional<DType> kernel_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return DType::Float32;
+    case ScalarType::Half: return DType::Float16;
+    case ScalarType::BFloat16: return DType::BFloat16;
+    case ScalarType::Short: return DType::Int16;
+    case ScalarType::Byte: return DType::UInt8;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+std::string scalar_type_name(ScalarType dtype) {
+  if (const std::optional<DType> d = kernel_dtype(dtype)) return dtype_name(*d);
+  switch (dtype) {  // the other dtypes a caller is likely to pass by mistake, named as torch names them
     case ScalarType::Double: return "float64";
     case ScalarType::Long: return "int64";
     case ScalarType::Int: return "int32";
@@ -40,14 +53,9 @@ std::string shape_string(const Tensor& t) {
 namespace {
 
 DType to_dtype(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float: return DType::Float32;
-    case ScalarType::Half: return DType::Float16;
-    case ScalarType::BFloat16: return DType::BFloat16;
-    case ScalarType::Short: return DType::Int16;
-    case ScalarType::Byte: return DType::UInt8;
-    default: fail("unsupported dtype ", dtype_name(t));
-  }
+  const std::optional<DType> d = kernel_dtype(t);
+  if (!d) fail("unsupported dtype ", scalar_type_name(t));
+  return *d;
 }
 
 bool is_float_dtype(ScalarType t) {
@@ -134,15 +142,15 @@ TensorList describe(const Tensors& list, const std::vector<RawTensor>& raw, cons
                                        dtype == ScalarType::Byte)
                                     : dtype == ScalarType::Short;
   DISTOPT_CHECK(ok, name, ": expected ", kind == "state" ? "fp32, bf16 or uint8 (8-bit blockwise)" : allowed,
-                " tensors, got ", dtype_name(dtype));
+                " tensors, got ", scalar_type_name(dtype));
   out.dtype = to_dtype(dtype);
   out.data.reserve(list.size());
   const int32_t strided = aoti_torch_layout_strided();
   for (size_t i = 0; i < list.size(); ++i) {
     const RawTensor& t = raw[i];
     const RawTensor& r = ref[i];
-    DISTOPT_CHECK(t.dtype == raw[0].dtype, name, "[", i, "]: dtype ", dtype_name(list[i].scalar_type()),
-                  " differs from ", name, "[0] (", dtype_name(dtype), "); group tensors by dtype");
+    DISTOPT_CHECK(t.dtype == raw[0].dtype, name, "[", i, "]: dtype ", scalar_type_name(list[i].scalar_type()),
+                  " differs from ", name, "[0] (", scalar_type_name(dtype), "); group tensors by dtype");
     DISTOPT_CHECK(t.device_type == r.device_type && t.device_index == r.device_index, name, "[", i, "] is on ",
                   device_name(list[i].device()), ", expected ", device_name(r.tensor->device()));
     DISTOPT_CHECK(t.layout == strided, name, "[", i, "]: expected a dense tensor");
@@ -168,7 +176,7 @@ std::vector<int64_t> numels(const std::vector<RawTensor>& list) {
 float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* name) {
   if (!t.has_value()) return nullptr;
   DISTOPT_CHECK(t->scalar_type() == ScalarType::Float, name, ": expected a float32 tensor, got ",
-                dtype_name(t->scalar_type()));
+                scalar_type_name(t->scalar_type()));
   DISTOPT_CHECK(t->numel() == 1, name, ": expected one element, got ", t->numel());
   DISTOPT_CHECK(t->device() == device, name, " is on ", device_name(t->device()), ", expected ",
                 device_name(device), " (where the tensors are)");
@@ -224,7 +232,7 @@ namespace {
 TensorList describe_scales(const Tensors& scales, const Tensors& states, const char* name, const char* states_name) {
   if (state_format(states) != StateFormat::Blockwise8) {
     DISTOPT_CHECK(scales.empty(), name, ": only 8-bit (uint8) ", states_name, " have scales, got ", scales.size(),
-                  " tensors for ", states.empty() ? "none" : dtype_name(states[0].scalar_type()));
+                  " tensors for ", states.empty() ? "none" : scalar_type_name(states[0].scalar_type()));
     return TensorList{};
   }
   DISTOPT_CHECK(scales.size() == states.size(), name, ": expected one absmax tensor per entry of ", states_name, " (",
@@ -235,7 +243,7 @@ TensorList describe_scales(const Tensors& scales, const Tensors& states, const c
     const Tensor& t = scales[i];
     const int64_t blocks = (states[i].numel() + kQuantBlock - 1) / kQuantBlock;
     DISTOPT_CHECK(t.scalar_type() == ScalarType::Float, name, "[", i, "]: expected float32, got ",
-                  dtype_name(t.scalar_type()));
+                  scalar_type_name(t.scalar_type()));
     DISTOPT_CHECK(t.device() == states[i].device(), name, "[", i, "] is on ", device_name(t.device()), ", expected ",
                   device_name(states[i].device()));
     DISTOPT_CHECK(t.numel() == blocks && t.is_contiguous(), name, "[", i, "]: expected ", blocks,
@@ -275,7 +283,7 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
   if (!param_remainders.empty()) {
     tl.lists[kRemainder] = describe(param_remainders, read_raw(param_remainders), ref, "param_remainders", "int16");
     DISTOPT_CHECK(params[0].scalar_type() == ScalarType::BFloat16, "param_remainders pair with bfloat16 params, got ",
-                  dtype_name(params[0].scalar_type()));
+                  scalar_type_name(params[0].scalar_type()));
   }
   const std::vector<void*>& m = tl.lists[kExpAvg].data;
   const std::vector<void*>& v = tl.lists[kExpAvgSq].data;

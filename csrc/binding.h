@@ -60,7 +60,7 @@ template <typename... Parts>
 
 // For messages: "cpu", "cuda:1", "float32", "[5, 3]".
 std::string device_name(const Device& device);
-std::string dtype_name(torch::headeronly::ScalarType dtype);
+std::string scalar_type_name(torch::headeronly::ScalarType dtype);
 std::string shape_string(const Tensor& t);
 
 // A tensor's properties as the C shim reports them, read once per op call (Note [Raw tensor properties]

@@ -108,13 +108,14 @@ NVCC_FLAGS = ["-O3", "--fmad=false", "-lineinfo", "-Xcompiler=-Wall"]
 
 
 # distopt._C_emulated: the CUDA kernels (csrc/cuda/*.cu, unmodified) compiled as host C++ against the
-# SIMT emulator (csrc/emulation/simt.h), behind the same binding layer, registered for CPU tensors as
+# SIMT emulator (csrc/testing/simt/simt.h, test-only), behind the same binding layer, registered for CPU tensors as
 # torch.ops.distopt_emulated.*. Each .cu is one translation unit, through a one-line wrapper generated
 # in build/emulation (the extension builder hands every .cu to nvcc). The sanitizer flags make the
 # compiler call hooks on every memory access, which the emulator implements (no sanitizer runtime is
 # linked); -ffp-contract=off is --fmad=false's counterpart; -g1 gives its messages file:line.
-EMULATION_RUNTIME = _sources("emulation/*.cpp")
-EMULATION_RUNTIME.remove("csrc/emulation/module.cpp")
+EMULATION_DIR = CSRC / "testing" / "simt"
+EMULATION_MODULE = str((EMULATION_DIR / "module.cpp").relative_to(ROOT))  # _C_emulated's Python module
+EMULATION_RUNTIME = [s for s in _sources("testing/simt/*.cpp") if s != EMULATION_MODULE]
 EMULATED_WRAPPER_DIR = ROOT / "build" / "emulation"
 EMULATION_FLAGS = [
     "-O2", "-g1", "-fno-math-errno", "-ffp-contract=off",
@@ -125,7 +126,7 @@ EMULATION_FLAGS = [
     # outside the other modules' shared-memory range, so their accesses would go unchecked.
     "-fvisibility=hidden",
 ]  # fmt: skip
-EMULATION_INCLUDE = str(CSRC / "emulation" / "include")  # its cuda_runtime.h is the emulator: search it first
+EMULATION_INCLUDE = str(EMULATION_DIR / "include")  # its cuda_runtime.h is the emulator: search it first
 
 
 def host_compiler_is_gcc() -> bool:
@@ -172,7 +173,7 @@ def emulated_wrappers() -> list[str]:
 
 def emulated_extension_kwargs() -> dict:
     """Sources, include dirs, macros and flags of distopt._C_emulated (extension-builder keywords)."""
-    sources = ["csrc/binding.cpp", "csrc/registration_cuda.cpp"] + EMULATION_RUNTIME + ["csrc/emulation/module.cpp"]
+    sources = ["csrc/binding.cpp", "csrc/registration_cuda.cpp"] + EMULATION_RUNTIME + [EMULATION_MODULE]
     return {
         "sources": sources + emulated_wrappers(),
         "include_dirs": [EMULATION_INCLUDE],  # before torch's

@@ -74,7 +74,7 @@ void scale_cpu(const TensorLists& lists, const ScaleArgs& args);
 
 // The CUDA launchers (csrc/cuda): the same contracts, launched on `stream` (a cudaStream_t), never
 // synchronising. In distopt._C_cuda, and in distopt._C_emulated, which compiles the same kernels as host
-// C++ against the SIMT emulator (csrc/emulation) and runs them on CPU tensors.
+// C++ against the SIMT emulator (csrc/testing/simt) and runs them on CPU tensors.
 void adam_cuda(const TensorLists& lists, const AdamArgs& args, void* stream);
 
 // `workspace` must hold l2norm_cuda_workspace_floats(lists) floats of device memory.

@@ -3,7 +3,7 @@
 // distopt._C (the CPU kernels) must load there too. Built on the stable ABI and the Python limited API,
 // with the CUDA runtime linked statically (csrc/build_config.py).
 //
-// Compiled with DISTOPT_EMULATED into distopt._C_emulated instead (csrc/emulation, the tests' "cuda-emulated"
+// Compiled with DISTOPT_EMULATED into distopt._C_emulated instead (csrc/testing/simt, the tests' "cuda-emulated"
 // backend): the same kernels, run by the SIMT emulator on CPU tensors, registered as distopt_emulated::*.
 #if !defined(DISTOPT_EMULATED)
 // torch's C shim declares its CUDA entry points (aoti_torch_get_current_cuda_stream) only under USE_CUDA.

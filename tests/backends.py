@@ -2,7 +2,7 @@
 
 * ``cpu``: the CPU kernels (distopt._C), on CPU tensors.
 * ``cuda-emulated``: the CUDA kernels compiled as host C++ against the SIMT emulator (distopt._C_emulated,
-  csrc/emulation), on CPU tensors: every launch also checks for barrier divergence, bad warp masks,
+  csrc/testing/simt), on CPU tensors: every launch also checks for barrier divergence, bad warp masks,
   deadlocks, shared-memory races and misaligned vector accesses. No GPU needed, so CI runs them.
 * ``cuda``: the CUDA kernels on a GPU (the ``cuda`` marker: skipped without one).
 

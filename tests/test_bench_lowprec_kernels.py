@@ -59,3 +59,20 @@ def test_check_refuses_a_wrong_update(bench, fmt: str, monkeypatch) -> None:
     monkeypatch.setattr(bench.Moments, "step", wrong)
     with pytest.raises(AssertionError, match="differs"):
         bench.check(s)
+
+
+def test_target_verdicts(bench) -> None:
+    """Each issue-31 target is reported met or MISSED from the 64M flat rows; a failed check is not a time."""
+
+    def row(contender: str, vs_fp32: float, check: str = "= CPU kernel bits", numel: int = 64 << 20) -> object:
+        return bench.Row("flat", numel, 1, contender, 1.0, 1.0, 1.0, 1.0, 1.0, vs_fp32, check)
+
+    rows = [row("distopt 8-bit", 1.31), row("distopt bf16", 1.2), row("distopt bf16 SR", 2.0, "FAILED: differs"),
+            row("distopt bf16 SR", 9.0, numel=16 << 20)]  # fmt: skip
+    got = bench.target_verdicts(rows)
+    assert got == [
+        "target 8-bit >= 1.3x: 1.31x the fp32-moment update: met",
+        "target bf16 >= 1.25x: 1.20x the fp32-moment update: MISSED",
+        "target bf16 SR >= 1.1x: not timed: FAILED: differs",
+    ]
+    assert bench.target_verdicts([])[0].endswith("not measured (no 64M flat row in this run)")

@@ -24,17 +24,6 @@ struct NoList {};
 template <typename T>
 constexpr bool is_present = !std::is_same_v<T, NoList>;
 
-inline const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::Float32: return "float32";
-    case DType::Float16: return "float16";
-    case DType::BFloat16: return "bfloat16";
-    case DType::Int16: return "int16";
-    case DType::UInt8: return "uint8";
-  }
-  return "unknown";
-}
-
 template <typename F>
 decltype(auto) dispatch_float(DType d, const char* what, F&& f) {
   switch (d) {

@@ -52,6 +52,37 @@ DISTOPT_HD float bits_float(uint32_t u) {
 #endif
 }
 
+// The high halves of a and b as one word (a's low): a byte permute on the device.
+DISTOPT_HD uint32_t pack_high_halves(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, 0x7632);
+#else
+  return (a >> 16) | (b & 0xffff0000u);
+#endif
+}
+
+// A word with its low (or high) half replaced by h's low half: one byte permute on the device.
+DISTOPT_HD uint32_t with_low_half(uint32_t w, uint32_t h) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(h, w, 0x7610);
+#else
+  return (w & 0xffff0000u) | (h & 0xffffu);
+#endif
+}
+
+DISTOPT_HD uint32_t with_high_half(uint32_t w, uint32_t h) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(w, h, 0x5410);
+#else
+  return (w & 0xffffu) | (h << 16);
+#endif
+}
+
+// float_bits and bits_float in constant expressions (the tables of math/quant_tables.h, built when the
+// kernels are compiled): __builtin_bit_cast is constexpr in GCC >= 11, Clang and nvcc, C++17 included.
+constexpr uint32_t float_bits_constexpr(float x) { return __builtin_bit_cast(uint32_t, x); }
+constexpr float bits_float_constexpr(uint32_t u) { return __builtin_bit_cast(float, u); }
+
 // Note [16-bit conversions]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every fp32 <-> bf16/fp16 conversion of the kernels, host and device, goes through these four
@@ -114,6 +145,19 @@ DISTOPT_HD float float_from_half_bits(uint16_t h) {
 // bf16 + int16 split fp32 master param (see math/adam.h), UInt8 as 8-bit moment codes
 // (math/state_format.h).
 enum class DType : uint8_t { Float32, Float16, BFloat16, Int16, UInt8 };
+
+// torch's name of a kernel dtype ("float32", ...): the one dtype naming, which the binding layer's
+// messages use too (binding.cpp's scalar_type_name).
+constexpr const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::Float32: return "float32";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Int16: return "int16";
+    case DType::UInt8: return "uint8";
+  }
+  return "unknown";
+}
 
 // A list of same-dtype tensors: one data pointer each (nullptr = "absent for this entry") and a
 // shared element count list owned by the caller (TensorLists::numel).

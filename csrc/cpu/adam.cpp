@@ -17,46 +17,26 @@ namespace distopt {
 namespace {
 
 struct AdamCtx {
-  const TensorLists* tl;
+  AdamCall call;
   const std::vector<int64_t>* offsets;
-  AdamCoeffs coeffs;  // eager: the coefficients of every tensor
-  AdamHyper hyper;
-  double lr;
-  const std::vector<void*>* steps;  // capturable: per-tensor float32 step scalars (else nullptr)
-  float grad_scale;
 };
 
 template <typename P, typename G, typename O, bool kRem>
 struct AdamRange {
   // The flat elements [b, e) (see flat.h).
   static DISTOPT_ALWAYS_INLINE void run(const AdamCtx* ctx, int64_t b, int64_t e) {
-    const TensorLists& tl = *ctx->tl;
+    const AdamCall& call = ctx->call;
+    const TensorLists& tl = *call.tl;
     const std::vector<int64_t>& offsets = *ctx->offsets;
     for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
       const int64_t first = offsets[i];
       const int64_t lo = b - first, hi = (e < offsets[i + 1] ? e : offsets[i + 1]) - first;
       b = first + hi;
       if (lo >= hi) continue;  // an empty tensor
-      AdamCoeffs c = ctx->coeffs;
-      if (ctx->steps != nullptr) {
-        c = adam_coeffs(ctx->hyper, ctx->lr, static_cast<double>(*static_cast<const float*>((*ctx->steps)[i])));
-      }
-      const float gf = grad_factor(ctx->grad_scale, c);
-      auto* p = static_cast<P*>(tl.lists[kParam].data[i]) + lo;
-      const auto* g = static_cast<const G*>(tl.lists[kGrad].data[i]) + lo;
+      const AdamCoeffs c = call.coeffs_of(call.step_of(i));
       auto* m = static_cast<float*>(tl.lists[kExpAvg].data[i]) + lo;
       auto* v = static_cast<float*>(tl.lists[kExpAvgSq].data[i]) + lo;
-      int16_t* rem = nullptr;
-      if constexpr (kRem) rem = static_cast<int16_t*>(tl.lists[kRemainder].data[i]) + lo;
-      if constexpr (is_present<O>) {
-        auto* out = static_cast<O*>(tl.lists[kParamOut].data[i]);
-        if (out != nullptr) {
-          adam_piece<P, G, O, kRem>(p, g, m, v, out + lo, rem, hi - lo, c, gf);
-          continue;
-        }
-      }
-      // No param_outs, or this entry's param_out is the param itself.
-      adam_piece<P, G, NoList, kRem>(p, g, m, v, nullptr, rem, hi - lo, c, gf);
+      ParamLists<P, G, O, kRem>(tl, i).update(lo, hi - lo, m, v, c, grad_factor(call.grad_scale, c));
     }
   }
 };
@@ -69,15 +49,8 @@ void adam_cpu(const TensorLists& tl, const AdamArgs& args) {
     adam_states_cpu(tl, args);
     return;
   }
-  AdamCtx ctx;
-  ctx.tl = &tl;
   const std::vector<int64_t> offsets = flat_offsets(tl.numel);
-  ctx.offsets = &offsets;
-  ctx.hyper = args.hyper;
-  ctx.lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
-  ctx.steps = args.steps.empty() ? nullptr : &args.steps.data;
-  ctx.coeffs = adam_coeffs(args.hyper, ctx.lr, args.step);
-  ctx.grad_scale = args.grad_scale != nullptr ? *args.grad_scale : 1.0f;
+  const AdamCtx ctx{AdamCall(tl, args), &offsets};
   const bool has_remainder = !tl.lists[kRemainder].empty();
   const CpuIsa isa = cpu_isa();
 

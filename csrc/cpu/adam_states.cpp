@@ -25,10 +25,27 @@
 #include "flat.h"
 #include "isa.h"
 #include "parallel.h"
-#include "state_tables.h"
+#include "../math/philox.h"
+#include "../math/quant_tables.h"
 
 namespace distopt {
 namespace {
+
+// Each map value's four bytes as byte tables (byte k of value c at [k][c]): dequantize_vbmi's permutes.
+struct QuantBytes {
+  alignas(64) uint8_t b[4][kCodes];
+};
+
+template <typename Map>
+constexpr QuantBytes quant_bytes(const Map& map) {
+  QuantBytes q{};
+  for (int c = 0; c < kCodes; ++c) {
+    for (int k = 0; k < 4; ++k) q.b[k][c] = static_cast<uint8_t>(float_bits_constexpr(map.values[c]) >> (8 * k));
+  }
+  return q;
+}
+constexpr QuantBytes kSignedQuantBytes = quant_bytes(kSignedQuantMap);
+constexpr QuantBytes kUnsignedQuantBytes = quant_bytes(kUnsignedQuantMap);
 
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
 // The 8-bit format's two per-element loops in AVX-512 (16 lanes), with the scalar loops' arithmetic:
@@ -103,52 +120,54 @@ DISTOPT_VBMI_TARGET void dequantize_vbmi(const uint8_t* codes, const uint8_t (*b
 }
 #pragma GCC diagnostic pop
 
+// Sixteen Philox counters in AVX-512 lanes: philox_rounds (math/philox.h) runs on them through these
+// two lane operations. A 32x32->64 multiply is two vpmuludq (even and odd lanes), so the words are the
+// scalar generator's exactly.
+struct Lanes16 {
+  __m512i v;
+};
+
+DISTOPT_AVX512_TARGET inline void philox_mulhilo(uint32_t m, Lanes16 c, Lanes16& hi, Lanes16& lo) {
+  const __m512i mm = _mm512_set1_epi64(m);
+  const __mmask16 odd = 0xAAAA;
+  const __m512i even_p = _mm512_mul_epu32(mm, c.v), odd_p = _mm512_mul_epu32(mm, _mm512_srli_epi64(c.v, 32));
+  hi.v = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(even_p, 32), odd_p);
+  lo.v = _mm512_mask_blend_epi32(odd, even_p, _mm512_slli_epi64(odd_p, 32));
+}
+
+DISTOPT_AVX512_TARGET inline Lanes16 philox_xor3(Lanes16 a, Lanes16 b, uint32_t k) {
+  return Lanes16{_mm512_ternarylogic_epi32(a.v, b.v, _mm512_set1_epi32(static_cast<int>(k)), 0x96)};
+}
+
 // GCC 12 warns inside its own 64-bit shift and multiply intrinsics (their undefined pass-through
 // operand) once they are inlined here; the operand is never read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// rounding_bits(key, lo + j) for j in [0, n): words 0, 1 and 2 into w0, w1, w2. Philox4x32-10 on 16
-// counters at once; a 32x32->64 multiply is two vpmuludq (even and odd lanes), so the words are the
-// scalar generator's exactly.
-DISTOPT_AVX512_TARGET void rounding_bits_avx512(const RoundingKey& key, int64_t lo, int64_t n, uint32_t* w0,
-                                               uint32_t* w1, uint32_t* w2) {
-  const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
+// rounding_bits(keys, key, lo + j) for j in [0, n): words 0, 1 and 2 into w0, w1, w2, 16 counters at a
+// time. `flatten`: philox_rounds and the lane operations are inlined into this AVX-512 function (the
+// template itself has no target, so they could not be inlined into it).
+DISTOPT_AVX512_TARGET __attribute__((flatten)) void rounding_bits_avx512(const PhiloxKeys& keys,
+                                                                        const RoundingKey& key, int64_t lo,
+                                                                        int64_t n, uint32_t* w0, uint32_t* w1,
+                                                                        uint32_t* w2) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __mmask16 odd = 0xAAAA;
   const __m512i pid = _mm512_set1_epi32(static_cast<int>(key.param_id)), stp = _mm512_set1_epi32(static_cast<int>(key.step));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const uint64_t e = key.offset + static_cast<uint64_t>(lo + j);
     const __m512i e_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e)));
-    __m512i c0 = _mm512_add_epi32(e_lo, lane);
-    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0, e_lo);
+    Lanes16 c0{_mm512_add_epi32(e_lo, lane)};
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0.v, e_lo);
     const __m512i e_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(e >> 32)));
-    __m512i c1 = _mm512_mask_add_epi32(e_hi, carry, e_hi, _mm512_set1_epi32(1));
-    __m512i c2 = pid, c3 = stp;
-    uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      // Products of the even lanes, then of the odd ones (their counters shifted down).
-      const __m512i p0e = _mm512_mul_epu32(m0, c0), p0o = _mm512_mul_epu32(m0, _mm512_srli_epi64(c0, 32));
-      const __m512i p1e = _mm512_mul_epu32(m1, c2), p1o = _mm512_mul_epu32(m1, _mm512_srli_epi64(c2, 32));
-      const __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p0e, 32), p0o);
-      const __m512i lo0 = _mm512_mask_blend_epi32(odd, p0e, _mm512_slli_epi64(p0o, 32));
-      const __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(p1e, 32), p1o);
-      const __m512i lo1 = _mm512_mask_blend_epi32(odd, p1e, _mm512_slli_epi64(p1o, 32));
-      const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
-      const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
-      c0 = n0;
-      c1 = lo1;
-      c2 = n2;
-      c3 = lo0;
-      k0 += kPhiloxW0;
-      k1 += kPhiloxW1;
-    }
-    _mm512_storeu_si512(w0 + j, c0);
-    _mm512_storeu_si512(w1 + j, c1);
-    _mm512_storeu_si512(w2 + j, c2);
+    Lanes16 c1{_mm512_mask_add_epi32(e_hi, carry, e_hi, _mm512_set1_epi32(1))};
+    Lanes16 c2{pid}, c3{stp};
+    philox_rounds(c0, c1, c2, c3, keys);
+    _mm512_storeu_si512(w0 + j, c0.v);
+    _mm512_storeu_si512(w1 + j, c1.v);
+    _mm512_storeu_si512(w2 + j, c2.v);
   }
   for (; j < n; ++j) {
-    const Philox4 r = rounding_bits(key, lo + j);
+    const Philox4 r = rounding_bits(keys, key, lo + j);
     w0[j] = r.w[0];
     w1[j] = r.w[1];
     w2[j] = r.w[2];
@@ -171,34 +190,35 @@ DISTOPT_AVX512_TARGET uint32_t max_abs_bits_avx512(const float* x, int64_t n) {
   return m;
 }
 
-// codes[j] = quantize_by_buckets(x[j] * inv); returns nothing (the absmax is the caller's).
+// codes[j] = quantize_by_buckets(x[j] * inv) (math/quant_tables.h), 16 lanes at a time: the bucket
+// load is a gather, the count one add (Note [Quantisation by buckets]).
 DISTOPT_AVX512_TARGET void quantize_avx512(const float* x, float inv, int64_t n, const uint32_t* buckets,
-                                          uint32_t key_min, uint32_t key_max, bool is_signed, uint8_t* codes) {
+                                          uint32_t key_min, bool is_signed, uint8_t* codes) {
   const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i kmin = _mm512_set1_epi32(static_cast<int>(key_min)), kmax = _mm512_set1_epi32(static_cast<int>(key_max));
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), low = _mm512_set1_epi32(0xffff);
-  const __m512i one = _mm512_set1_epi32(1), c127 = _mm512_set1_epi32(127), inf_bits = _mm512_set1_epi32(0x7f800000);
-  const __m512i zero_c = _mm512_set1_epi32(zero_code(is_signed));
+  const __m512i lo_clamp = _mm512_set1_epi32(static_cast<int>(key_min << 16));
+  const __m512i hi_clamp = _mm512_set1_epi32(static_cast<int>(kBucketKeyMax << 16));
+  const __m512i kmin = _mm512_set1_epi32(static_cast<int>(key_min));
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+  const __m512i c254 = _mm512_set1_epi32(254), zero_c = _mm512_set1_epi32(zero_code(is_signed));
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(x + j), vinv));
     const __m512i a = _mm512_and_si512(u, abs_mask);
-    const __m512i key = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(a, 16), kmin), kmax);
-    const __m512i e = _mm512_i32gather_epi32(_mm512_sub_epi32(key, kmin), reinterpret_cast<const int*>(buckets), 4);
-    const __mmask16 above = _mm512_cmpgt_epu32_mask(_mm512_and_si512(a, low), _mm512_and_si512(e, low));
-    const __m512i below = _mm512_mask_add_epi32(_mm512_srli_epi32(e, 16), above, _mm512_srli_epi32(e, 16), one);
+    const __m512i ac = _mm512_min_epu32(_mm512_max_epu32(a, lo_clamp), hi_clamp);
+    const __m512i idx = _mm512_sub_epi32(_mm512_srli_epi32(ac, 16), kmin);
+    const __m512i e = _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(buckets), 4);
+    const __m512i c = _mm512_srli_epi32(_mm512_add_epi32(ac, e), 16);  // the code of |y|
     const __mmask16 negative = _mm512_cmpneq_epu32_mask(u, a);
     __m512i code;
-    if (is_signed) {
-      const __m512i neg = _mm512_sub_epi32(c127, _mm512_min_epu32(below, c127));
-      code = _mm512_mask_blend_epi32(negative, _mm512_add_epi32(c127, below), neg);
+    if (is_signed) {  // negatives: 254 - c, at least 0
+      code = _mm512_mask_blend_epi32(negative, c, _mm512_max_epi32(_mm512_sub_epi32(c254, c), _mm512_setzero_si512()));
     } else {
-      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), below);
+      code = _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), c);
     }
     code = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, inf_bits), code, zero_c);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(code));
   }
-  for (; j < n; ++j) codes[j] = quantize_by_buckets(x[j] * inv, buckets, key_min, key_max, is_signed);
+  for (; j < n; ++j) codes[j] = static_cast<uint8_t>(quantize_by_buckets(x[j] * inv, buckets, key_min, is_signed));
 }
 #endif
 
@@ -210,38 +230,31 @@ struct MomentList {
   const float* values;               // 8-bit: the map
   const uint8_t (*value_bytes)[kCodes];  // 8-bit: the map as byte tables (dequantize_vbmi)
   const uint32_t* buckets;           // 8-bit: the bucket table (Note [Quantisation by buckets])
-  uint32_t key_min, key_max;
+  uint32_t key_min;
   bool is_signed;
   bool avx512;  // the 8-bit loops' AVX-512 versions (else the scalar ones, which GCC vectorises less)
   bool vbmi;    // with AVX-512: the map read by byte permutes (dequantize_vbmi)
 };
 
 struct StatesCtx {
-  const TensorLists* tl;
+  AdamCall call;
   const std::vector<int64_t>* block_offsets;  // flat_offsets of each tensor's block count
-  AdamCoeffs coeffs;
-  AdamHyper hyper;
-  double lr;
-  double step;
-  const std::vector<void*>* steps;  // capturable: per-tensor float32 step scalars (else nullptr)
-  float grad_scale;
   MomentList m, v;
-  const AdamArgs* args;  // stochastic rounding: seed, param ids and offsets
+  const AdamArgs* args;  // stochastic rounding: param ids and offsets
+  PhiloxKeys keys;       // stochastic rounding: the seed's round keys
 };
 
 MomentList moment_list(StateFormat format, const TensorList& data, const TensorList& scales, bool is_signed) {
   const bool avx512 = cpu_isa() == CpuIsa::Avx512;
-  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, 0, is_signed, avx512, false};
+  MomentList l{format, &data.data, &scales.data, nullptr, nullptr, nullptr, 0, is_signed, avx512, false};
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
   l.vbmi = avx512 && cpu_vbmi();
 #endif
   if (format == StateFormat::Blockwise8) {
-    const QuantTable& t = quant_table(is_signed);
-    l.values = t.values;
-    l.value_bytes = t.value_bytes;
-    l.buckets = t.buckets.data();
-    l.key_min = t.key_min;
-    l.key_max = t.key_max;
+    l.values = is_signed ? kSignedQuantMap.values : kUnsignedQuantMap.values;
+    l.value_bytes = is_signed ? kSignedQuantBytes.b : kUnsignedQuantBytes.b;
+    l.buckets = is_signed ? kSignedQuantMap.buckets : kUnsignedQuantMap.buckets;
+    l.key_min = is_signed ? kSignedQuantMap.kKeyMin : kUnsignedQuantMap.kKeyMin;
   }
   return l;
 }
@@ -295,8 +308,7 @@ DISTOPT_ALWAYS_INLINE void write_moment(const MomentList& l, int64_t i, int64_t 
       return;
     }
     case StateFormat::Blockwise8: {
-      // block_absmax's arguments from one integer maximum: |x| orders like its bits, and a NaN's bits
-      // exceed every other value's (so the maximum's order of comparisons cannot matter).
+      // block_absmax_of_bits: one integer maximum of the bits & 0x7fffffff.
       uint32_t max_bits = 0;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
       if (l.avx512) max_bits = max_abs_bits_avx512(x, n);
@@ -307,20 +319,22 @@ DISTOPT_ALWAYS_INLINE void write_moment(const MomentList& l, int64_t i, int64_t 
           max_bits = a > max_bits ? a : max_bits;
         }
       }
-      const float absmax = block_absmax(bits_float(max_bits), is_nan_bits(max_bits));
+      const float absmax = block_absmax_of_bits(max_bits);
       static_cast<float*>((*l.scales)[i])[block] = absmax;
       const float inv = absmax_inverse(absmax);
       uint8_t* codes = static_cast<uint8_t*>(base) + lo;
       const uint32_t* __restrict buckets = l.buckets;
-      const uint32_t key_min = l.key_min, key_max = l.key_max;
+      const uint32_t key_min = l.key_min;
       const bool is_signed = l.is_signed;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
       if (l.avx512) {
-        quantize_avx512(x, inv, n, buckets, key_min, key_max, is_signed, codes);
+        quantize_avx512(x, inv, n, buckets, key_min, is_signed, codes);
         return;
       }
 #endif
-      for (int64_t j = 0; j < n; ++j) codes[j] = quantize_by_buckets(x[j] * inv, buckets, key_min, key_max, is_signed);
+      for (int64_t j = 0; j < n; ++j) {
+        codes[j] = static_cast<uint8_t>(quantize_by_buckets(x[j] * inv, buckets, key_min, is_signed));
+      }
       return;
     }
   }
@@ -333,7 +347,7 @@ struct StatesRange {
 
   // Blocks [b, e) of the flat block numbering.
   static DISTOPT_ALWAYS_INLINE void run(const StatesCtx* ctx, int64_t b, int64_t e) {
-    const TensorLists& tl = *ctx->tl;
+    const TensorLists& tl = *ctx->call.tl;
     const std::vector<int64_t>& offsets = *ctx->block_offsets;
     const bool sr = ctx->args->stochastic_rounding;
     // Random words only where a bf16 store takes them (Philox is the costliest part of a rounded update).
@@ -346,40 +360,25 @@ struct StatesRange {
     for (int64_t i = tensor_at(offsets, b); b < e; ++i) {
       const int64_t first = offsets[i];
       const int64_t block_hi = (e < offsets[i + 1] ? e : offsets[i + 1]) - first;
-      AdamCoeffs c = ctx->coeffs;
-      double step = ctx->step;
-      if (ctx->steps != nullptr) {
-        step = static_cast<double>(*static_cast<const float*>((*ctx->steps)[i]));
-        c = adam_coeffs(ctx->hyper, ctx->lr, step);
-      }
-      const float gf = grad_factor(ctx->grad_scale, c);
+      const AdamCall& call = ctx->call;
+      const double step = call.step_of(i);
+      const AdamCoeffs c = call.coeffs_of(step);
+      const float gf = grad_factor(call.grad_scale, c);
       RoundingKey key{};
       if (sr) {
-        key.seed = ctx->args->seed;
         key.step = rounding_step(step);
         key.param_id = ctx->args->param_ids[i];
         key.offset = ctx->args->param_offsets.empty() ? 0 : ctx->args->param_offsets[i];
       }
       const int64_t numel = tl.numel[i];
-      auto* p_base = static_cast<P*>(tl.lists[kParam].data[i]);
-      const auto* g_base = static_cast<const G*>(tl.lists[kGrad].data[i]);
-      int16_t* rem_base = nullptr;
-      if constexpr (kRem) rem_base = static_cast<int16_t*>(tl.lists[kRemainder].data[i]);
-      O* out_base = nullptr;
-      if constexpr (is_present<O>) out_base = static_cast<O*>(tl.lists[kParamOut].data[i]);
+      const ParamLists<P, G, O, kRem> lists(tl, i);
 
       if (direct_bf16) {
         // Both moments bf16, rounded to nearest: no block structure to keep, the loop converts in place.
         const int64_t lo = (b - first) * kQuantBlock;
         const int64_t hi = block_hi * kQuantBlock < numel ? block_hi * kQuantBlock : numel;
-        auto* m = static_cast<bf16_t*>((*ctx->m.data)[i]) + lo;
-        auto* v = static_cast<bf16_t*>((*ctx->v.data)[i]) + lo;
-        int16_t* rem = kRem ? rem_base + lo : nullptr;
-        if (is_present<O> && out_base != nullptr) {
-          adam_piece<P, G, O, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, out_base + lo, rem, hi - lo, c, gf);
-        } else {
-          adam_piece<P, G, NoList, kRem, bf16_t>(p_base + lo, g_base + lo, m, v, nullptr, rem, hi - lo, c, gf);
-        }
+        lists.update(lo, hi - lo, static_cast<bf16_t*>((*ctx->m.data)[i]) + lo,
+                     static_cast<bf16_t*>((*ctx->v.data)[i]) + lo, c, gf);
         b = first + block_hi;
         continue;
       }
@@ -389,13 +388,13 @@ struct StatesRange {
         bool drawn = !bits_needed;
 #if defined(DISTOPT_CPU_HAS_AVX512_PATH)
         if (!drawn && ctx->m.avx512) {
-          rounding_bits_avx512(key, lo, n, rnd[0], rnd[1], rnd[2]);
+          rounding_bits_avx512(ctx->keys, key, lo, n, rnd[0], rnd[1], rnd[2]);
           drawn = true;
         }
 #endif
         if (!drawn) {
           for (int64_t j = 0; j < n; ++j) {
-            const Philox4 r = rounding_bits(key, lo + j);
+            const Philox4 r = rounding_bits(ctx->keys, key, lo + j);
             rnd[0][j] = r.w[0];
             rnd[1][j] = r.w[1];
             rnd[2][j] = r.w[2];
@@ -403,35 +402,27 @@ struct StatesRange {
         }
         float* m = read_moment(ctx->m, i, lo, blk, n, mbuf);
         float* v = read_moment(ctx->v, i, lo, blk, n, vbuf);
-        P* p = p_base + lo;
-        const G* g = g_base + lo;
-        int16_t* rem = kRem ? rem_base + lo : nullptr;
         bool rounded = false;
         if constexpr (kRoundParam) {
           if (sr) {
+            P* p = lists.p + lo;
             for (int64_t j = 0; j < n; ++j) pbuf[j] = to_float(p[j]);
-            adam_piece<float, G, NoList, false>(pbuf, g, m, v, nullptr, nullptr, n, c, gf);
+            adam_piece<float, G, NoList, false>(pbuf, lists.g + lo, m, v, nullptr, nullptr, n, c, gf);
             for (int64_t j = 0; j < n; ++j) {
               const uint16_t bits = bf16_bits_stochastic(pbuf[j], rnd[0][j]);
               p[j] = P(bits, P::from_bits());
               pbuf[j] = float_from_bf16_bits(bits);
             }
             if constexpr (is_present<O>) {
-              if (out_base != nullptr) {
-                O* out = out_base + lo;
+              if (lists.out != nullptr) {
+                O* out = lists.out + lo;
                 for (int64_t j = 0; j < n; ++j) out[j] = from_float<O>(pbuf[j]);
               }
             }
             rounded = true;
           }
         }
-        if (!rounded) {
-          if (is_present<O> && out_base != nullptr) {
-            adam_piece<P, G, O, kRem>(p, g, m, v, out_base + lo, rem, n, c, gf);
-          } else {
-            adam_piece<P, G, NoList, kRem>(p, g, m, v, nullptr, rem, n, c, gf);
-          }
-        }
+        if (!rounded) lists.update(lo, n, m, v, c, gf);
         write_moment(ctx->m, i, lo, blk, n, m, bits_needed ? rnd[1] : nullptr);
         write_moment(ctx->v, i, lo, blk, n, v, bits_needed ? rnd[2] : nullptr);
       }
@@ -443,21 +434,13 @@ struct StatesRange {
 }  // namespace
 
 void adam_states_cpu(const TensorLists& tl, const AdamArgs& args) {
-  StatesCtx ctx;
-  ctx.tl = &tl;
   std::vector<int64_t> blocks(tl.numel.size());
   for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = (tl.numel[i] + kQuantBlock - 1) / kQuantBlock;
   const std::vector<int64_t> block_offsets = flat_offsets(blocks);
-  ctx.block_offsets = &block_offsets;
-  ctx.hyper = args.hyper;
-  ctx.lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
-  ctx.step = args.step;
-  ctx.steps = args.steps.empty() ? nullptr : &args.steps.data;
-  ctx.coeffs = adam_coeffs(args.hyper, ctx.lr, args.step);
-  ctx.grad_scale = args.grad_scale != nullptr ? *args.grad_scale : 1.0f;
-  ctx.m = moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true);
-  ctx.v = moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false);
-  ctx.args = &args;
+  const StatesCtx ctx{AdamCall(tl, args), &block_offsets,
+                      moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true),
+                      moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false), &args,
+                      philox_keys(args.seed)};
   const CpuIsa isa = cpu_isa();
   constexpr int64_t kGrainBlocks = kGrainElements / kQuantBlock;
 

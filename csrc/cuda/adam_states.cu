@@ -7,7 +7,7 @@ namespace distopt::adam_detail {
 void launch_states(const TensorLists& tl, const AdamArgs& args, const AdamDeviceArgs& a, cudaStream_t s) {
   StatesDeviceArgs sa;
   sa.adam = a;
-  sa.seed = args.seed;
+  sa.keys = philox_keys(args.seed);
   sa.step_word = rounding_step(args.step);
   sa.m_format = args.exp_avg_format;
   sa.v_format = args.exp_avg_sq_format;

@@ -5,7 +5,8 @@
 // A moment (exp_avg or exp_avg_sq) is stored in one of three formats, named by its tensor's dtype:
 //   * float32: as is;
 //   * bfloat16: the fp32 value rounded to bf16, to nearest even (bf16_bits_from_float) or, with
-//     stochastic rounding, up or down with probabilities proportional to the distance (round_bf16);
+//     stochastic rounding, up or down with probabilities proportional to the distance
+//     (bf16_bits_stochastic, with the random words of Note [Stochastic rounding bits] in philox.h);
 //   * uint8 (8-bit blockwise): one code per element and one fp32 absmax per kQuantBlock elements,
 //     blocks counted from the tensor's first element. Element x of a block with absmax A is stored
 //     as the code whose map value is nearest to y = x * (1 / A) (fp32 products), and read back as
@@ -47,7 +48,7 @@ constexpr int kCodes = 256;
 constexpr uint32_t kCanonicalNanBits = 0x7fc00000u;
 
 // torch.linspace(0.1, 1.0, steps, dtype=float32)[k] on torch's scalar path.
-DISTOPT_HD float dynamic_map_linspace(int steps, int k) {
+DISTOPT_HD constexpr float dynamic_map_linspace(int steps, int k) {
   const float start = 0.1f, end = 1.0f;
   const float step = (end - start) / static_cast<float>(steps - 1);
   return k < steps / 2 ? start + step * static_cast<float>(k) : end - step * static_cast<float>(steps - k - 1);
@@ -57,9 +58,9 @@ DISTOPT_HD float dynamic_map_linspace(int steps, int k) {
 // total_bits=8), sorted ascending. Decade d (0..6) holds the means of linspace(0.1, 1, n + 1)
 // scaled by 10^(d - 6), n = 2^d (signed, mirrored for the negative half) or 2^(d + 1) (unsigned);
 // then 0 and 1.0. Signed: code 127 is 0, 255 is 1.0, 0 is the most negative. Unsigned: code 0 is 0.
-DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
+DISTOPT_HD constexpr float dynamic_map_value(bool is_signed, int code) {
   if (code == kCodes - 1) return 1.0f;
-  int j;  // 1-based rank among the positive means
+  int j = 0;  // 1-based rank among the positive means
   bool negative = false;  // the signed map's lower half mirrors the upper (no recursion: none on the GPU)
   if (is_signed) {
     if (code == 127) return 0.0f;
@@ -86,18 +87,19 @@ DISTOPT_HD float dynamic_map_value(bool is_signed, int code) {
 }
 
 // The decision boundary between codes k and k + 1 (k < 255): the fp32 midpoint of their values.
-DISTOPT_HD float dynamic_map_threshold(bool is_signed, int k) {
+DISTOPT_HD constexpr float dynamic_map_threshold(bool is_signed, int k) {
   return (dynamic_map_value(is_signed, k) + dynamic_map_value(is_signed, k + 1)) * 0.5f;
 }
 
 // The code of the map's 0.
-DISTOPT_HD int zero_code(bool is_signed) { return is_signed ? 127 : 0; }
+DISTOPT_HD constexpr int zero_code(bool is_signed) { return is_signed ? 127 : 0; }
 
 // The nearest code to y given the 255 thresholds (thr[k] between codes k and k + 1, ascending) and
 // thr[255] = +inf: the number of thresholds below y, ties toward zero (a threshold equal to a
-// negative y counts as below it). NaN: the map's 0. A binary search of 8 steps; the CPU kernels get
-// the same answer from a table (cpu/state_format.cpp), the tests compare the two.
-DISTOPT_HD int quantize_code(float y, const float* thr, bool is_signed) {
+// negative y counts as below it). NaN: the map's 0. A binary search of 8 steps: the definition of the
+// 8-bit store. The kernels get the same answer from the bucket tables of math/quant_tables.h, which are
+// checked against it where the two could differ when they are compiled.
+DISTOPT_HD constexpr int quantize_code(float y, const float* thr, bool is_signed) {
   if (y != y) return zero_code(is_signed);
   const bool negative = y < 0.0f;
   int pos = 0;
@@ -118,6 +120,12 @@ DISTOPT_HD float block_absmax(float max_abs, bool any_nan) {
   return any_nan ? bits_float(kCanonicalNanBits) : max_abs;
 }
 
+// The same from one integer maximum of the elements' bits & 0x7fffffff: |x| orders like those bits and
+// a NaN's exceed every other value's, so one unsigned maximum (in any order) gives both.
+DISTOPT_HD float block_absmax_of_bits(uint32_t max_abs_bits) {
+  return block_absmax(bits_float(max_abs_bits), is_nan_bits(max_abs_bits));
+}
+
 // The multiplier that maps a block onto [-1, 1]: 1 / absmax, or 0 for an all-zero block (every y is
 // then 0, stored as the map's 0, and read back as 0 * 0).
 DISTOPT_HD float absmax_inverse(float absmax) { return absmax == 0.0f ? 0.0f : 1.0f / absmax; }
@@ -128,70 +136,14 @@ DISTOPT_HD float absmax_inverse(float absmax) { return absmax == 0.0f ? 0.0f : 1
 // truncated, so x rounds away from zero with probability (dropped bits) / 2^16 and E[result] = x.
 // Infinities stay, a value above the largest finite bf16 may become inf (as x + ulp would), NaN
 // becomes the canonical 0x7FC0 (Note [16-bit conversions] in common/types.h).
+// Only the NaN needs a test: an infinity's low 16 bits are zero, so adding 16 bits below them leaves it.
+// bf16_sum_stochastic is the same before the shift: its high half is the result.
+DISTOPT_HD uint32_t bf16_sum_stochastic(float x, uint32_t random16) {
+  return x != x ? kCanonicalNanBits : float_bits(x) + (random16 & 0xffffu);
+}
+
 DISTOPT_HD uint16_t bf16_bits_stochastic(float x, uint32_t random16) {
-  const uint32_t u = float_bits(x);
-  if (is_nan_bits(u)) return 0x7fc0;
-  if ((u & 0x7f800000u) == 0x7f800000u) return static_cast<uint16_t>(u >> 16);  // +-inf
-  return static_cast<uint16_t>((u + (random16 & 0xffffu)) >> 16);
+  return static_cast<uint16_t>(bf16_sum_stochastic(x, random16) >> 16);
 }
-
-// ---- Philox4x32-10 ------------------------------------------------------------------------------------
-
-// Note [Stochastic rounding bits]
-// Every stochastic rounding takes its random bits from Philox4x32-10 (Salmon et al., SC'11: the
-// generator of curand and of torch's CUDA RNG) keyed by the seed, with the counter (element index
-// low, element index high, param id, step). The element index counts from the param's first element
-// (a tensor that is a slice of a param passes its offset), so the bits depend only on (seed, step,
-// param, element): never on threads, launches, chunks, buckets or ranks. The four output words are
-// the element's: word 0 rounds the param, 1 the exp_avg, 2 the exp_avg_sq.
-struct Philox4 {
-  uint32_t w[4];
-};
-
-DISTOPT_HD void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
-  const uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
-  hi = static_cast<uint32_t>(p >> 32);
-  lo = static_cast<uint32_t>(p);
-}
-
-// Philox4x32-10's multipliers and key increments (Salmon et al., 2011); the CPU kernels' 16-lane copy
-// of the rounds (adam_states.cpp) uses them too.
-constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u, kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
-
-DISTOPT_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-DISTOPT_UNROLL
-  for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    philox_mulhilo(kPhiloxM0, c0, hi0, lo0);
-    philox_mulhilo(kPhiloxM1, c2, hi1, lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += kPhiloxW0;
-    k1 += kPhiloxW1;
-  }
-  return Philox4{{c0, c1, c2, c3}};
-}
-
-// What an update needs to round stochastically: the seed and step (the same for every element of a
-// call) and, per tensor, the param id and the tensor's first element within its param.
-struct RoundingKey {
-  uint64_t seed;
-  uint32_t step;
-  uint32_t param_id;
-  uint64_t offset;
-};
-
-// The random words of element `index` of the tensor keyed by `key` (Note [Stochastic rounding bits]).
-DISTOPT_HD Philox4 rounding_bits(const RoundingKey& key, int64_t index) {
-  const uint64_t e = key.offset + static_cast<uint64_t>(index);
-  return philox4x32_10(static_cast<uint32_t>(e), static_cast<uint32_t>(e >> 32), key.param_id, key.step,
-                       static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
-}
-
-// The step as the counter word: whole steps (the eager step, or a capturable float32 step tensor).
-DISTOPT_HD uint32_t rounding_step(double step) { return static_cast<uint32_t>(static_cast<uint64_t>(step)); }
 
 }  // namespace distopt

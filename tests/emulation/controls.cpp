@@ -1,6 +1,6 @@
 // Controls of the SIMT emulator (tests/emulation/test_simt.py): deliberately broken kernels, each of
 // which the emulator must reject with a specific error, and a correct block reduction it must pass.
-// Built by the test with the emulated build's flags (csrc/build_config.py) against csrc/emulation,
+// Built by the test with the emulated build's flags (csrc/build_config.py) against csrc/testing/simt,
 // using the real vec.cuh, reduce.cuh and launch.cuh as the product kernels do. Plain C entry points
 // (called through ctypes): no torch headers, so the build takes seconds.
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <string>
 
 #include "../../csrc/cuda/launch.cuh"
+#include "../../csrc/math/state_format.h"
 #include "../../csrc/cuda/reduce.cuh"
 #include "../../csrc/cuda/vec.cuh"
 
@@ -107,6 +108,64 @@ struct Huge {
 };
 __global__ void huge_params_kernel(Huge huge, float* out) { out[threadIdx.x] = huge.v[threadIdx.x]; }
 
+// Shared-memory bank conflicts (Note [Shared-memory wavefronts] in simt.h): one warp fills a 32 x 32
+// table (32 row writes, one wavefront each), then makes the one access under test, whose wavefronts a
+// GPU would count as the comment says.
+template <int kAccess>
+__global__ void banks_kernel(const float* x, float* out) {
+  __shared__ float table[32 * 32];
+  const int lane = threadIdx.x;
+  for (int row = 0; row < 32; ++row) table[row * 32 + lane] = x[row * 32 + lane];
+  __syncthreads();
+  float v = 0.0f;
+  if constexpr (kAccess == 0) v = table[lane];            // consecutive words: 1
+  if constexpr (kAccess == 1) v = table[7];               // one word for every lane (a broadcast): 1
+  if constexpr (kAccess == 2) v = table[lane * 32];       // one bank, 32 words: 32
+  if constexpr (kAccess == 3) v = table[lane * 2];        // two words per bank: 2
+  if constexpr (kAccess == 4) v = table[(lane % 4) * 32]; // four words of one bank, each for 8 lanes: 4
+  // Wider accesses as one copy each (the host compiler splits a float4 load whose fields are used into four
+  // 4-byte loads, which the emulator would see as four warp accesses).
+  if constexpr (kAccess == 5) {                           // 16 bytes per lane, consecutive: 4 (a quarter warp each)
+    float4 q;
+    __builtin_memcpy(&q, table + 4 * lane, sizeof(q));
+    v = q.x + q.y + q.z + q.w;
+  }
+  if constexpr (kAccess == 6) {                           // 8 bytes per lane, consecutive: 2 (a half warp each)
+    float2 q;
+    __builtin_memcpy(&q, table + 2 * lane, sizeof(q));
+    v = q.x + q.y;
+  }
+  out[lane] = v;
+}
+
+// The shared-memory accesses of the 8-bit update before it read codes from bucket tables (commit
+// 89b84a8): per element and moment, the map value of the old code and quantize_code's 8-step binary
+// search over the 255 thresholds, both maps in one array, as the kernel laid them out. One warp, 8
+// elements per lane (x: 256 values), so 8 x 32 elements per launch: its wavefronts per 32 elements
+// exceed the 8-bit kernel's budget (tests/emulation/test_shared_wavefronts.py).
+__global__ void binary_search_8bit_kernel(const float* x, float* out) {
+  __shared__ float maps[2][2][distopt::kCodes];  // [signed, unsigned][values, thresholds]
+  const int lane = threadIdx.x;
+  for (int k = lane; k < distopt::kCodes; k += 32) {
+    for (int s = 0; s < 2; ++s) {
+      maps[s][0][k] = distopt::dynamic_map_value(s == 0, k);
+      maps[s][1][k] = k + 1 < distopt::kCodes ? distopt::dynamic_map_threshold(s == 0, k) : 1e30f;
+    }
+  }
+  __syncthreads();
+  float acc = 0.0f;
+  for (int e = 0; e < 8; ++e) {
+    const float xi = x[lane * 8 + e];
+    const uint32_t code = distopt::float_bits(xi) & 0xffu;
+    const float m = maps[0][0][code], v = maps[1][0][255 - code];
+    const float ym = xi * 0.25f, yv = xi * xi * 0.0625f;
+    const float ym_clamped = ym < -1.0f ? -1.0f : ym > 1.0f ? 1.0f : ym;
+    acc += m + v + static_cast<float>(distopt::quantize_code(ym_clamped, maps[0][1], true));
+    acc += static_cast<float>(distopt::quantize_code(yv > 1.0f ? 1.0f : yv, maps[1][1], false));
+  }
+  out[lane] = acc;
+}
+
 int run(const std::string& name, const float* x, float* out) {
   if (name == "block_sum") {
     launch_kernel("block_sum", block_sum_kernel, 4, kBlockSize, 0, nullptr, x, out);
@@ -132,6 +191,18 @@ int run(const std::string& name, const float* x, float* out) {
     launch_kernel("big_params", big_params_kernel, 1, 32, 0, nullptr, Big{}, out);
   } else if (name == "huge_params") {
     launch_kernel("huge_params", huge_params_kernel, 1, 32, 0, nullptr, Huge{}, out);
+  } else if (name.rfind("banks_", 0) == 0) {
+    static const char* const kNames[] = {"banks_consecutive", "banks_broadcast", "banks_one_bank", "banks_stride2",
+                                         "banks_four_words", "banks_vector16", "banks_vector8"};
+    static void (*const kKernels[])(const float*, float*) = {banks_kernel<0>, banks_kernel<1>, banks_kernel<2>,
+                                                             banks_kernel<3>, banks_kernel<4>, banks_kernel<5>,
+                                                             banks_kernel<6>};
+    int k = 0;
+    while (k < 7 && name != kNames[k]) ++k;
+    if (k == 7) return 2;
+    launch_kernel(kNames[k], kKernels[k], 1, 32, 0, nullptr, x, out);
+  } else if (name == "binary_search_8bit") {
+    launch_kernel("binary_search_8bit", binary_search_8bit_kernel, 1, 32, 0, nullptr, x, out);
   } else if (name == "empty_grid") {
     launch_kernel("empty_grid", block_sum_kernel, 0, kBlockSize, 0, nullptr, x, out);
   } else {
@@ -156,12 +227,19 @@ extern "C" __attribute__((visibility("default"))) int distopt_simt_control(const
   }
 }
 
-// The emulator's counters: launches, blocks, threads, barriers, warp collectives, shared accesses.
+// The emulator's counters: launches, blocks, threads, barriers, warp collectives, shared accesses, and
+// (with bank counting) shared requests and wavefronts.
 extern "C" __attribute__((visibility("default"))) void distopt_simt_stats(uint64_t* out, int reset) {
   const simt::Stats s = simt::stats();
-  const uint64_t values[] = {s.launches, s.blocks, s.threads, s.barriers, s.warp_collectives, s.shared_accesses};
+  const uint64_t values[] = {s.launches,         s.blocks,           s.threads,         s.barriers,
+                             s.warp_collectives, s.shared_accesses, s.shared_requests, s.shared_wavefronts};
   std::memcpy(out, values, sizeof(values));
   if (reset) simt::reset_stats();
+}
+
+// Turns shared-memory bank counting on or off (simt::set_bank_counting).
+extern "C" __attribute__((visibility("default"))) void distopt_simt_set_bank_counting(int on) {
+  simt::set_bank_counting(on != 0);
 }
 
 // Sets the machine the emulator stands for (simt::set_runtime): CUDA versions and compute capability.

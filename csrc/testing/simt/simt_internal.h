@@ -1,5 +1,5 @@
 // The emulator's runtime state, shared by the scheduler (simt.cpp) and the sanitizer hooks
-// (simt_hooks.cpp). Not for kernels: they see simt.h only.
+// (hooks.cpp). Not for kernels: they see simt.h only.
 #pragma once
 
 #include <atomic>
@@ -31,6 +31,16 @@ struct Thread {
   int arg = 0, width = 32;
   uint64_t value = 0;   // barrier predicate or the lane's collective input
   uint64_t result = 0;  // what the barrier / collective returns to it
+  uint32_t shared_seq = 0;  // its shared accesses so far in the block (bank counting)
+};
+
+// One shared access of a block, recorded for Note [Shared-memory wavefronts].
+struct SharedRecord {
+  uintptr_t pc;
+  uint32_t offset;  // in the shared segment
+  uint16_t thread;
+  uint8_t size;
+  uint32_t seq;     // the thread's shared_seq at the access
 };
 
 // Per shared byte: who wrote and read it since the last barrier (epochs number barrier intervals
@@ -80,6 +90,10 @@ struct Emu {
   uint32_t slice = 1;      // the countdown's initial value
   uint64_t segment_accesses = 0;  // by the running thread since it last blocked
 
+  // Bank counting (Note [Shared-memory wavefronts]): the block's shared accesses so far.
+  bool count_banks = false;
+  std::vector<SharedRecord> shared_trace;
+
   // Shared memory: the module's TLS segment (see simt.h), and its shadow.
   uintptr_t shared_lo = 0;
   size_t shared_size = 0;
@@ -105,6 +119,7 @@ extern thread_local __constinit Emu* tls_emu;
 
 struct Counters {
   std::atomic<uint64_t> launches{0}, blocks{0}, threads{0}, barriers{0}, warp_collectives{0}, shared_accesses{0};
+  std::atomic<uint64_t> shared_requests{0}, shared_wavefronts{0};
 };
 extern Counters counters;
 
@@ -154,6 +169,8 @@ std::string hex(uintptr_t value);
 // The calling OS thread's instance of this module's TLS segment.
 void locate_shared(Emu* e);
 void shared_access(Emu* e, uintptr_t addr, size_t size, bool write, uintptr_t pc);
+// The wavefronts of the block's recorded shared accesses, added to the counters (bank counting).
+void count_wavefronts(Emu* e);
 
 }  // namespace simt::detail
 

@@ -1,4 +1,5 @@
-// Warp collectives of the SIMT emulator (__shfl_*_sync, __ballot_sync, __any/__all_sync, __syncwarp).
+// Warp collectives of the SIMT emulator (__shfl_*_sync, __ballot_sync, __any/__all_sync,
+// __reduce_max_sync, __syncwarp).
 //
 // A lane that calls a collective waits until every lane of its mask has reached the same call site;
 // the last one to arrive computes every lane's result. CUDA requires (and the emulator checks) that
@@ -37,8 +38,12 @@ SIMT_NOSAN int source_lane(WarpOp op, int lane, int arg, int width) {
 SIMT_NOSAN void complete(Emu* e, int base, unsigned mask, int me) {
   const Thread& first = e->threads[me];
   unsigned votes = 0;
+  uint64_t max = 0;
   for (int l = 0; l < 32; ++l) {
-    if ((mask >> l & 1u) && e->threads[base + l].value != 0) votes |= 1u << l;
+    if (!(mask >> l & 1u)) continue;
+    const uint64_t v = e->threads[base + l].value;
+    if (v != 0) votes |= 1u << l;
+    max = v > max ? v : max;
   }
   for (int l = 0; l < 32; ++l) {
     if (!(mask >> l & 1u)) continue;
@@ -54,6 +59,7 @@ SIMT_NOSAN void complete(Emu* e, int base, unsigned mask, int me) {
       case WarpOp::Any: t.result = votes != 0; break;
       case WarpOp::All: t.result = votes == mask; break;
       case WarpOp::Sync: t.result = 0; break;
+      case WarpOp::ReduceMax: t.result = max; break;
       default: t.result = e->threads[base + src].value; break;
     }
   }

@@ -9,6 +9,8 @@
 //   * deadlock: no thread can run and no barrier or collective can complete;
 //   * shared-memory races: two threads touching one __shared__ byte between the same two barriers,
 //     at least one writing, and reads of __shared__ bytes no thread of the block has written;
+//   * (when asked, set_bank_counting) shared-memory bank conflicts: the wavefronts each warp-wide
+//     shared access takes on the GPU's 32 four-byte banks (Note [Shared-memory wavefronts]);
 //   * misaligned accesses, among them the 16-byte vector loads/stores of vec.cuh (a GPU faults);
 //   * launch configurations a GPU rejects (empty grid, > 1024 threads, kernel parameters over the
 //     limit of the emulated runtime: 4 KiB, or 32,764 bytes with CUDA >= 12.1 on Volta and later).
@@ -140,7 +142,7 @@ enum class BarrierOp : uint8_t { Sync, Or, And, Count };
 SIMT_API int barrier(const Site& site, BarrierOp op, int predicate);
 
 // ---- Warp collectives --------------------------------------------------------------------------
-enum class WarpOp : uint8_t { ShflIdx, ShflUp, ShflDown, ShflXor, Ballot, Any, All, Sync };
+enum class WarpOp : uint8_t { ShflIdx, ShflUp, ShflDown, ShflXor, Ballot, Any, All, Sync, ReduceMax };
 // `value`: the caller's bits (shuffles) or predicate; `arg`: src lane / delta / lane mask.
 SIMT_API uint64_t warp_collective(const Site& site, WarpOp op, unsigned mask, uint64_t value, int arg, int width);
 SIMT_API unsigned active_mask();
@@ -234,14 +236,29 @@ SIMT_API Runtime runtime();
 // 32,764 with runtime and driver >= 12.1 on compute capability >= 7.0, else 4,096: what CUDA accepts.
 SIMT_API size_t max_param_bytes();
 
+// Note [Shared-memory wavefronts]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A GPU serves a warp's shared-memory access in wavefronts: each reads or writes at most one 4-byte word
+// per bank of 32 (word w in bank w % 32), and lanes reading the same word share it (a broadcast). So an
+// access takes as many wavefronts as the most distinct words any one bank must deliver; accesses wider
+// than 4 bytes go by groups of 128 / width lanes (half a warp for 8 bytes, a quarter for 16), each
+// group counted the same way (the CUDA programming guide's and Nsight Compute's model). With
+// set_bank_counting(true) the emulator groups each block's shared accesses into the warp accesses a
+// GPU would issue (lane l's k-th execution of a code site goes with the other lanes' k-th: exact for
+// code whose lanes run the same sites in the same order, which divergence at a loop's end only
+// shortens) and counts shared_requests (warp accesses) and shared_wavefronts. Off by default: it
+// records every shared access of a block.
 struct Stats {
   uint64_t launches, blocks, threads, barriers, warp_collectives, shared_accesses;
+  uint64_t shared_requests, shared_wavefronts;  // with set_bank_counting(true)
 };
 struct LaunchRecord {
   std::string what;
   dim3 grid, block;
 };
 SIMT_API Stats stats();
+SIMT_API void set_bank_counting(bool on);  // Note [Shared-memory wavefronts]
+SIMT_API bool bank_counting();
 SIMT_API std::vector<LaunchRecord> launch_log();  // the launches since reset_stats (the first 100000)
 SIMT_API void reset_stats();
 
@@ -269,6 +286,10 @@ SIMT_API void reset_stats();
   ::simt::shfl(SIMT_SITE("__shfl_xor_sync"), ::simt::WarpOp::ShflXor, (mask), (var), __VA_ARGS__)
 #define SIMT_VOTE(name, op, mask, p) \
   ::simt::warp_collective(SIMT_SITE(name), ::simt::WarpOp::op, (mask), (p) ? 1 : 0, 0, 32)
+// The unsigned overload only (CUDA's also takes int).
+#define __reduce_max_sync(mask, value)                                                                   \
+  static_cast<unsigned>(::simt::warp_collective(SIMT_SITE("__reduce_max_sync"), ::simt::WarpOp::ReduceMax, \
+                                                (mask), static_cast<unsigned>(value), 0, 32))
 #define __ballot_sync(mask, p) static_cast<unsigned>(SIMT_VOTE("__ballot_sync", Ballot, mask, p))
 #define __any_sync(mask, p) static_cast<int>(SIMT_VOTE("__any_sync", Any, mask, p))
 #define __all_sync(mask, p) static_cast<int>(SIMT_VOTE("__all_sync", All, mask, p))
@@ -282,6 +303,9 @@ inline void syncwarp(const Site& site, unsigned mask = 0xffffffffu) {
   warp_collective(site, WarpOp::Sync, mask, 0, 0, 32);
 }
 }  // namespace simt
+
+// Bit and byte intrinsics (plain functions of their arguments).
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 template <typename T>
 T atomicAdd(T* p, T v) {

@@ -8,7 +8,9 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <algorithm>
 #include <cinttypes>
+#include <tuple>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -72,6 +74,13 @@ SIMT_NOSAN void shared_access(Emu* e, uintptr_t addr, size_t size, bool write, u
   counters.shared_accesses.fetch_add(1, std::memory_order_relaxed);
   const int me = e->current;
   const size_t off = addr - e->shared_lo;
+  if (e->count_banks) {  // a wider copy is several 16-byte accesses on a GPU
+    for (size_t done = 0; done < size; done += 16) {
+      const size_t piece = size - done < 16 ? size - done : 16;
+      e->shared_trace.push_back(SharedRecord{pc, static_cast<uint32_t>(off + done), static_cast<uint16_t>(me),
+                                             static_cast<uint8_t>(piece), e->threads[me].shared_seq++});
+    }
+  }
   auto what = [&] {  // only for a message
     return thread_name(e, me) + (write ? " writes " : " reads ") + std::to_string(size) +
            " byte(s) of shared memory at offset " + hex(off) + " (" + pc_name(pc) + ")";
@@ -107,6 +116,70 @@ SIMT_NOSAN void shared_access(Emu* e, uintptr_t addr, size_t size, bool write, u
     }
   }
   if (e->random && next_random(e) % 4 == 0) yield(e, true);  // vary the order around shared accesses
+}
+
+// Note [Shared-memory wavefronts] (simt.h): the block's recorded accesses grouped into warp accesses
+// (warp, code site, the lane's how-many-th execution of it), each costed bank by bank.
+SIMT_NOSAN void count_wavefronts(Emu* e) {
+  RuntimeScope scope(e);
+  std::vector<SharedRecord>& t = e->shared_trace;
+  if (t.empty()) return;
+  // Each record's occurrence index: its rank among its thread's records at the same site.
+  std::sort(t.begin(), t.end(), [](const SharedRecord& a, const SharedRecord& b) {
+    return std::tie(a.thread, a.pc, a.seq) < std::tie(b.thread, b.pc, b.seq);
+  });
+  struct Access {
+    uint32_t warp;
+    uintptr_t pc;
+    uint32_t occurrence;
+    uint32_t lane, offset, size;
+  };
+  std::vector<Access> accesses;
+  accesses.reserve(t.size());
+  for (size_t k = 0; k < t.size(); ++k) {
+    const bool same = k > 0 && t[k].thread == t[k - 1].thread && t[k].pc == t[k - 1].pc;
+    const uint32_t occurrence = same ? accesses.back().occurrence + 1 : 0;
+    accesses.push_back(Access{t[k].thread / 32u, t[k].pc, occurrence, t[k].thread % 32u, t[k].offset, t[k].size});
+  }
+  std::sort(accesses.begin(), accesses.end(), [](const Access& a, const Access& b) {
+    return std::tie(a.warp, a.pc, a.occurrence, a.lane) < std::tie(b.warp, b.pc, b.occurrence, b.lane);
+  });
+  uint64_t requests = 0, wavefronts = 0;
+  for (size_t k = 0; k < accesses.size();) {
+    size_t end = k;
+    uint32_t width = 0;
+    while (end < accesses.size() && accesses[end].warp == accesses[k].warp && accesses[end].pc == accesses[k].pc &&
+           accesses[end].occurrence == accesses[k].occurrence) {
+      width = accesses[end].size > width ? accesses[end].size : width;
+      ++end;
+    }
+    // Lanes served together: the whole warp up to 4 bytes each, else 128 bytes' worth.
+    const uint32_t group = width <= 4 ? 32 : 128 / (width <= 8 ? 8 : 16);
+    for (uint32_t first = 0; first < 32; first += group) {
+      uint32_t words[128];
+      int n = 0;
+      for (size_t j = k; j < end; ++j) {
+        const Access& a = accesses[j];
+        if (a.lane < first || a.lane >= first + group) continue;
+        for (uint32_t w = a.offset / 4; w <= (a.offset + a.size - 1) / 4 && n < 128; ++w) words[n++] = w;
+      }
+      if (n == 0) continue;
+      std::sort(words, words + n);
+      int per_bank[32] = {};
+      int most = 0;
+      for (int j = 0; j < n; ++j) {
+        if (j > 0 && words[j] == words[j - 1]) continue;  // one word read by several lanes: a broadcast
+        const int c = ++per_bank[words[j] % 32];
+        most = c > most ? c : most;
+      }
+      wavefronts += static_cast<uint64_t>(most);
+    }
+    ++requests;
+    k = end;
+  }
+  t.clear();
+  counters.shared_requests.fetch_add(requests, std::memory_order_relaxed);
+  counters.shared_wavefronts.fetch_add(wavefronts, std::memory_order_relaxed);
 }
 
 // file:line of a return address, from addr2line (the emulated build has line tables, -g1).

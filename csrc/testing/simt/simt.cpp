@@ -25,6 +25,7 @@ std::atomic<uint64_t> g_launches_since_seed{0};
 std::mutex g_runtime_mutex;  // a 20-byte struct: std::atomic of it would need libatomic
 Runtime g_runtime{13000, 13000, 9, 0, 132};
 std::mutex g_log_mutex;
+std::atomic<bool> g_bank_counting{false};  // Note [Shared-memory wavefronts]
 std::vector<LaunchRecord> g_log;
 
 SIMT_NOSAN uint64_t splitmix(uint64_t x) {
@@ -177,7 +178,11 @@ SIMT_NOSAN void run_block(Emu* e, uint3 block) {
     switch_context(&e->sched_ctx, e->threads[i].ctx);
     e->current = -1;
   }
-  if (e->failed) throw Error(e->error);
+  if (e->failed) {
+    e->shared_trace.clear();
+    throw Error(e->error);
+  }
+  if (e->count_banks) count_wavefronts(e);
   counters.blocks.fetch_add(1, std::memory_order_relaxed);
   counters.threads.fetch_add(static_cast<uint64_t>(n), std::memory_order_relaxed);
 }
@@ -343,9 +348,13 @@ SIMT_NOSAN size_t max_param_bytes() {
 }
 
 SIMT_NOSAN Stats stats() {
-  return Stats{counters.launches.load(), counters.blocks.load(), counters.threads.load(),
-               counters.barriers.load(), counters.warp_collectives.load(), counters.shared_accesses.load()};
+  return Stats{counters.launches.load(),        counters.blocks.load(),          counters.threads.load(),
+               counters.barriers.load(),        counters.warp_collectives.load(), counters.shared_accesses.load(),
+               counters.shared_requests.load(), counters.shared_wavefronts.load()};
 }
+
+SIMT_NOSAN void set_bank_counting(bool on) { g_bank_counting.store(on); }
+SIMT_NOSAN bool bank_counting() { return g_bank_counting.load(); }
 
 SIMT_NOSAN std::vector<LaunchRecord> launch_log() {
   std::lock_guard<std::mutex> lock(g_log_mutex);
@@ -355,6 +364,7 @@ SIMT_NOSAN std::vector<LaunchRecord> launch_log() {
 SIMT_NOSAN void reset_stats() {
   counters.launches = counters.blocks = counters.threads = 0;
   counters.barriers = counters.warp_collectives = counters.shared_accesses = 0;
+  counters.shared_requests = counters.shared_wavefronts = 0;
   std::lock_guard<std::mutex> lock(g_log_mutex);
   g_log.clear();
 }
@@ -377,6 +387,8 @@ SIMT_NOSAN void launch(const LaunchInfo& info, ThreadBody body, void* ctx) {
   e->error.clear();
   e->launch_number = g_launches_since_seed.fetch_add(1);
   e->random = s != 0;
+  e->count_banks = g_bank_counting.load();
+  e->shared_trace.clear();
   e->rng = splitmix(s ^ splitmix(e->launch_number));
 #if defined(__x86_64__)
   asm volatile("stmxcsr %0" : "=m"(e->mxcsr));

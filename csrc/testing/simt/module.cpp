@@ -1,10 +1,10 @@
 // distopt._C_emulated, the "cuda-emulated" test backend: the CUDA kernels of csrc/cuda compiled as
 // host C++ against the SIMT emulator, behind the same binding layer, registered for CPU tensors as
-// torch.ops.distopt_emulated.* (registration.cpp). This file adds the emulator's controls and
+// torch.ops.distopt_emulated.* (registration_cuda.cpp). This file adds the emulator's controls and
 // counters, and the launch constants the tests size their tensors by.
 #include <Python.h>
 
-#include "../cuda/multi_tensor_apply.cuh"
+#include "../../cuda/multi_tensor_apply.cuh"
 #include "simt.h"
 
 namespace {
@@ -13,9 +13,10 @@ PyObject* dim_tuple(dim3 d) { return Py_BuildValue("(III)", d.x, d.y, d.z); }
 
 PyObject* stats(PyObject*, PyObject*) {
   const simt::Stats s = simt::stats();
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "launches", s.launches, "blocks", s.blocks, "threads",
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "launches", s.launches, "blocks", s.blocks, "threads",
                        s.threads, "barriers", s.barriers, "warp_collectives", s.warp_collectives,
-                       "shared_accesses", s.shared_accesses);
+                       "shared_accesses", s.shared_accesses, "shared_requests", s.shared_requests,
+                       "shared_wavefronts", s.shared_wavefronts);
 }
 
 PyObject* launches(PyObject*, PyObject*) {
@@ -46,6 +47,13 @@ PyObject* set_seed(PyObject*, PyObject* arg) {
 }
 
 PyObject* seed(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(simt::seed()); }
+
+PyObject* set_bank_counting(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  simt::set_bank_counting(on != 0);
+  Py_RETURN_NONE;
+}
 
 // {"tensors": (by depth 1..7), "blocks": (by depth)} of one metadata size.
 template <bool kLarge>
@@ -108,6 +116,8 @@ PyMethodDef methods[] = {
     {"reset_stats", reset_stats, METH_NOARGS, "Zeroes the counters and the launch log."},
     {"set_seed", set_seed, METH_O, "Seeds the scheduler (0: threads in order, no preemption)."},
     {"seed", seed, METH_NOARGS, "The scheduler's seed ($DISTOPT_SIMT_SEED, else 1, until set_seed)."},
+    {"set_bank_counting", set_bank_counting, METH_O,
+     "Counts shared-memory requests and wavefronts (bank conflicts) from the next launch on."},
     {"constants", constants, METH_NOARGS, "The launch constants of csrc/cuda/multi_tensor_apply.cuh."},
     {"runtime", runtime, METH_NOARGS, "The emulated machine: versions, compute capability, parameter limit."},
     {"set_runtime", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_runtime)),
