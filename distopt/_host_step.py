@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._kernel_views import as_real, state_dtype
+from .kernel_views import as_real, state_dtype
 from .offload import HOST, HostTransfers, Landing
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "param")
@@ -110,7 +110,7 @@ class HostStep:
             for (index, _, _, step), bucket in buckets.items():
                 group = work[index][0]
                 states = [e[2] for e in bucket]
-                ops.adam_step_(  # complex params as their real views (distopt/_kernel_views.py)
+                ops.adam_step_(  # complex params as their real views (distopt/kernel_views.py)
                     [as_real(s["param"]) for s in states],
                     [as_real(e[3]) for e in bucket],
                     [as_real(s["exp_avg"]) for s in states],

@@ -1,14 +1,14 @@
 """FusedAdam's low-precision moments: what ``exp_avg_dtype``, ``exp_avg_sq_dtype`` and
-``stochastic_rounding`` change in its state, kernel calls and state dicts (distopt/moment_formats.py
+``stochastic_rounding`` change in its state, kernel calls and state dicts (distopt/lowprec/formats.py
 holds the options and the per-param rule FusedAdam shares with DistributedFusedAdam).
 
 State (``opt.state[p]``): ``exp_avg`` / ``exp_avg_sq`` in their format, shaped like the param and in
 its memory format (as the fp32 ones); an 8-bit moment has uint8 codes there and its float32 absmax
 scales, one per 256 elements counted in the param's memory order from its first element, under
 ``exp_avg_absmax`` / ``exp_avg_sq_absmax``; state dicts hold the codes under ``exp_avg_codes`` /
-``exp_avg_sq_codes`` instead (moment_formats.CODES_KEYS: never taken for values). With
+``exp_avg_sq_codes`` instead (lowprec.formats.CODES_KEYS: never taken for values). With
 ``stochastic_rounding`` each param group holds its ``rounding_seed`` (drawn once by
-``moment_formats.draw_seed``; every group of one optimizer gets the same), so a state dict carries it
+``lowprec.formats.draw_seed``; every group of one optimizer gets the same), so a state dict carries it
 and a resumed run rounds as the uninterrupted one would. A param's rounding key is (seed, step, its
 position in param_groups order, element index).
 
@@ -19,7 +19,7 @@ of the param: sharded along dim 0 (FSDP2's ``Shard(0)``) over at most one mesh d
 blocks sit on one rank. FSDP2's uneven (padded) shards qualify: ``torch.chunk`` gives every shard but
 the last ``ceil(rows / ranks)`` rows, so the rule is that many rows times the elements per row being a
 multiple of 256 (a 50,257 x 768 embedding on 8 ranks: 6,283 rows of 768). The absmax is then a
-DTensor with the param's placements laid out by the param's rows (``moment_formats.absmax_shape``:
+DTensor with the param's placements laid out by the param's rows (``lowprec.formats.absmax_shape``:
 e.g. (33, 2) for a (33, 512) param), which shards along dim 0 exactly as the param does at every
 world size, so torch.distributed.checkpoint saves and reshards it. Anything else raises at
 construction (or at the first step for params swapped in later), naming the param and the rule: never
@@ -37,9 +37,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import dtensor
-from . import moment_formats as mf
-from ._kernel_views import state_like
-from .state_formats import QUANT_BLOCK, zero_code
+from .kernel_views import state_like
+from .lowprec import formats as mf
+from .lowprec.codecs import QUANT_BLOCK, zero_code
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -121,7 +121,7 @@ class MomentState:
         _, row, counts = layout
         starts = [sum(counts[:i]) * row for i in range(len(counts))]
         bad = [s for s, c in zip(starts, counts) if c and s % QUANT_BLOCK]
-        if bad:  # (when none is, the absmax rows split as the param's rows: moment_formats.absmax_shape)
+        if bad:  # (when none is, the absmax rows split as the param's rows: lowprec.formats.absmax_shape)
             raise ValueError(f"FusedAdam: 8-bit moments keep one absmax per {QUANT_BLOCK} elements counted from the "
                              f"param's first element, so every rank's non-empty shard must start at a multiple of "
                              f"{QUANT_BLOCK} elements: the rows of a full shard (ceil(rows / ranks) = {counts[0]}) "
@@ -209,7 +209,7 @@ class MomentState:
                 if blocks is None:
                     raise ValueError(f"loaded 8-bit {name} of a param of shape {tuple(p.shape)} needs "
                                      f"{mf.ABSMAX_KEYS[name]!r}: {mf.num_blocks(local.numel())} float32 scales")
-            out[name] = mf._map_local(lambda v, s, n=name: mf.layout_to_float32(v, s, mf.SIGNED[n]), value, scales)
+            out[name] = mf.map_local(lambda v, s, n=name: mf.layout_to_float32(v, s, mf.SIGNED[n]), value, scales)
         return out
 
     def stored(self, p: Tensor, entry: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +243,7 @@ class MomentState:
 
 def _absmax_like(p: Tensor, local_scales: Tensor) -> Tensor:
     """The absmax of a param's 8-bit moment from its local blocks (1-D): those, for a DTensor param a
-    DTensor with the param's placements in ``moment_formats.absmax_shape`` layout, the local rows holding
+    DTensor with the param's placements in ``lowprec.formats.absmax_shape`` layout, the local rows holding
     the blocks then zeros (check_param saw every shard start on a block, so the rows split as the
     param's do)."""
     if not isinstance(p, DTensor):

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from . import dtensor
-from ._kernel_views import layout_strides, needs_view
 from ._moment_state import MomentState, element_offset
+from .kernel_views import layout_strides, needs_view
 
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
@@ -68,8 +68,8 @@ class Call:
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
     shapes: list[torch.Size]
-    strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: _kernel_views.py)
-    viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (_kernel_views.py)
+    strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: kernel_views.py)
+    viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (kernel_views.py)
     entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
     last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
     # Eager steps: the call's params share one step count, and their step tensors are views of this

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _kernel_views as views
+from . import kernel_views as views
 from . import ops
 from .grad_scaling import count_step
 

@@ -41,8 +41,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import ops
-from ._kernel_views import norm_view
-from ._validation import is_dense
+from .kernel_views import norm_view
+from .validation import is_dense
 
 try:  # private: FSDP over a tensor-parallel dimension shards with it
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -9,13 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _kernel_views as views
 from . import _step_plan, dtensor, ops
+from . import kernel_views as views
 from ._host_step import STATE_TENSORS, HostStep
 from ._moment_state import MomentState, element_offset
-from ._state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
 from ._traced_step import TracedStep
-from ._validation import (
+from .grad_scaling import GradScaling, count_step
+from .lowprec.formats import ABSMAX_KEYS, MomentFormats, codes_keyed, saved_seeds
+from .state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
+from .validation import (
     check_adam_hyperparameters,
     check_adamw_options,
     check_graph_lr,
@@ -23,8 +25,6 @@ from ._validation import (
     reconcile_weight_decay_switch,
     weight_decay_mode,
 )
-from .grad_scaling import GradScaling, count_step
-from .moment_formats import ABSMAX_KEYS, MomentFormats, codes_keyed, saved_seeds
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
@@ -82,7 +82,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     Params: float32, float16, bfloat16, and complex64/complex32, stepped as their real views as AdamW
     steps them (the same numbers). Any strides: a param that is not dense in memory (a slice such as
     ``randn(10, 5, 2)[..., 0]``) is stepped through a contiguous copy, two copies per step for such
-    params only (distopt/_kernel_views.py); one whose elements share memory (expanded) raises
+    params only (distopt/kernel_views.py); one whose elements share memory (expanded) raises
     ValueError. float64 and complex128 params raise TypeError: the kernels compute in float32, which
     would silently round a float64 model's updates (use torch.optim.AdamW). A param listed twice in a
     group gets torch's warning and, as in AdamW's for-loop and foreach implementations, one update per
@@ -323,7 +323,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
                      param_outs=call.param_outs)
         staged = ()
-        if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/_kernel_views.py)
+        if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/kernel_views.py)
             lists, staged = views.kernel_lists(**lists)
         lists.update(self._moments.call_kwargs(call.exp_avg_scales, call.exp_avg_sq_scales, call.param_ids,
                                                call.param_offsets, group))
@@ -478,7 +478,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's; an 8-bit moment's codes under a key of their own (moment_formats.CODES_KEYS)."""
+        """torch.optim's; an 8-bit moment's codes under a key of their own (lowprec.formats.CODES_KEYS)."""
         sd = super().state_dict()
         return {**sd, "state": {k: codes_keyed(e) for k, e in sd["state"].items()}}
 

@@ -187,7 +187,7 @@ def test_step_and_zero_grad_compile_with_fullgraph_once(set_to_none):
 def test_complex_and_non_dense_params_compile_with_fullgraph(backend):
     """A complex param (its real view), one not dense in memory (a contiguous copy) and a plain one:
     opt.step compiles as one graph and gives the eager optimizer's bits (AOT functionalization too,
-    where the kernel updates copies of the complex tensors: distopt/_kernel_views.py)."""
+    where the kernel updates copies of the complex tensors: distopt/kernel_views.py)."""
     def params():
         torch.manual_seed(0)
         return [nn.Parameter(torch.randn(3, 4, dtype=torch.complex64)), nn.Parameter(torch.randn(5, 3, 2)[..., 0]),

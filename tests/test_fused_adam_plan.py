@@ -2,7 +2,7 @@
 no Python work per param, and gives exactly the general step's bits through every change the plan
 must notice (grads replaced, kept, missing or in another layout; groups added; hyperparameters
 changed; state loaded; storage replaced; a step count edited in place), with complex params and
-params not dense in memory among the others (distopt/_kernel_views.py)."""
+params not dense in memory among the others (distopt/kernel_views.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FusedAdam on params its kernel cannot walk as they are (distopt/_kernel_views.py): a complex param is
+"""FusedAdam on params its kernel cannot walk as they are (distopt/kernel_views.py): a complex param is
 stepped as its real view, a param that is not dense in memory through a contiguous copy. Each gives
 the bits FusedAdam gives on the equivalent plain params (the real view as a real param; a contiguous
 clone), on the general, planned and offloaded paths, with 16-bit params and fp32 masters; what a
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import distopt._kernel_views as views
+import distopt.kernel_views as views
 from distopt import FusedAdam
 
 import tolerances

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..moment_formats import from_float32, to_float32, zeros
+from ..lowprec.codecs import join_bf16_remainder, split_bf16_remainder
+from ..lowprec.formats import from_float32, to_float32, zeros
 from ..offload import HostTransfers, Landing
-from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm, Handle
 from .layout import Bucket, Fragment, Piece
 

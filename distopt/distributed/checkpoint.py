@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .._state_dicts import (
+from ..state_dicts import (
     CHECKSUMS,
     check_saved_groups,
     check_state_checksums,

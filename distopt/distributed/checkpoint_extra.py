@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .._state_dicts import tensor_crc32
+from ..state_dicts import tensor_crc32
 
 
 def _targets(extra: Mapping[str, Any] | None) -> dict[str, Any]:

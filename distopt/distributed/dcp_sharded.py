@@ -39,8 +39,8 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .. import moment_formats as mf
-from ..state_formats import QUANT_BLOCK
+from ..lowprec import formats as mf
+from ..lowprec.codecs import QUANT_BLOCK
 from .boxes import Box, box_view, boxes, memory_order
 from .state_view import fragment_master
 from .tensor_parallel import chunk_origin
@@ -250,7 +250,7 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
 def state_keys(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
     """A param's state keys in the sharded form and their dtypes: ``param`` (fp32) and each moment in its
     format, as in ``state_dict()``: fp32 or bf16 values under the moment's name, or an 8-bit moment's
-    codes (uint8) and absmax scales (fp32) under ``moment_formats.CODES_KEYS`` and ``ABSMAX_KEYS``."""
+    codes (uint8) and absmax scales (fp32) under ``lowprec.formats.CODES_KEYS`` and ``ABSMAX_KEYS``."""
     out = {"param": torch.float32}
     formats = mf.MomentFormats(opt.exp_avg_dtype, opt.exp_avg_sq_dtype, opt.stochastic_rounding)
     for name, dtype in zip(mf.SIGNED, formats.dtypes(p.numel())):

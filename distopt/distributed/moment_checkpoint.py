@@ -7,7 +7,7 @@ shaped like the param: ``exp_avg``/``exp_avg_sq`` in bf16, or an 8-bit moment's 
 ``param`` stays fp32 and param groups carry the ``rounding_seed``. Since 8-bit blocks never straddle
 shards (moments.py), these are the same bits at every world size and bucket size, and the two
 optimizers' state dicts load into each other.
-``moment_formats.float32_state_dict`` exports one to torch.optim.AdamW's fp32 format.
+``lowprec.formats.float32_state_dict`` exports one to torch.optim.AdamW's fp32 format.
 
 ``load_state_dict`` takes low-precision or fp32 moments (torch.optim.AdamW's, or another format): all
 are read as fp32 (and checked) before anything changes and stored in this optimizer's formats
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import moment_formats as mf
-from .._state_dicts import CHECKSUMS, check_state_checksums
-from ..state_formats import QUANT_BLOCK
+from ..lowprec import formats as mf
+from ..lowprec.codecs import QUANT_BLOCK
+from ..state_dicts import CHECKSUMS, check_state_checksums
 from .buckets import flat
 from .dcp_sharded import ShardedParamState
 
@@ -74,7 +74,7 @@ def gather_moments(opt: Any, out: list[dict[str, Tensor]], keep: bool) -> None:
                         dst = flat(out[piece.param][name])
                         first, n, src = piece.param_offset, piece.numel, piece.bucket_offset
                     dst[first : first + n].copy_(whole[src : src + n])
-    if keep:  # 8-bit codes under their own keys (moment_formats.CODES_KEYS), as FusedAdam's state dicts
+    if keep:  # 8-bit codes under their own keys (lowprec.formats.CODES_KEYS), as FusedAdam's state dicts
         out[:] = [mf.codes_keyed(entry) for entry in out]
 
 

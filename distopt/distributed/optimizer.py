@@ -10,15 +10,15 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._state_dicts import load_with_hooks, state_dict_with_hooks
-from .._validation import (
+from ..grad_scaling import GradScaling
+from ..offload import HOST, HostTransfers
+from ..state_dicts import load_with_hooks, state_dict_with_hooks
+from ..validation import (
     check_adam_hyperparameters,
     check_param_tensors,
     check_unique_params,
     reconcile_weight_decay_switch,
 )
-from ..grad_scaling import GradScaling
-from ..offload import HOST, HostTransfers
 from . import agreement, checkpoint, tensor_parallel, torch_compat, update
 from .buckets import BucketRuntime, ShardState, flat
 from .comm import Comm

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .. import moment_formats as mf
-from ..state_formats import QUANT_BLOCK
+from ..lowprec import formats as mf
+from ..lowprec.codecs import QUANT_BLOCK
 from .dcp_sharded import ShardedParamState
 from .tensor_parallel import check_saved_layout, chunk_name, chunk_origin
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..reference import join_bf16_remainder
+from ..lowprec.codecs import join_bf16_remainder
 from .buckets import BucketRuntime, flat
 from .layout import Fragment
 

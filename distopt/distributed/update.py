@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from .._validation import check_graph_lr
+from ..validation import check_graph_lr
 from .buckets import BucketRuntime, flat
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -130,14 +130,14 @@ def test_every_saved_group_key_survives_a_load(kind, fmt, tmp_path):
 def dropped(rank: int, world_size: int, path: str) -> list[str]:
     """Negative control: with the old restore (a fixed list of hyperparameters), initial_lr is lost and
     the resume line raises, as the issue reported: the test above would see it."""
-    from distopt import _state_dicts
+    from distopt import state_dicts
 
-    own = _state_dicts.OWN_KEYS
-    _state_dicts.OWN_KEYS = frozenset({"initial_lr", "name", "note"}) | own
+    own = state_dicts.OWN_KEYS
+    state_dicts.OWN_KEYS = frozenset({"initial_lr", "name", "note"}) | own
     try:
         return resume(rank, world_size, FusedAdam, {}, path)
     finally:
-        _state_dicts.OWN_KEYS = own
+        state_dicts.OWN_KEYS = own
 
 
 def test_negative_control_a_restore_that_drops_keys_is_caught(tmp_path):

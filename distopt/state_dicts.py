@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._validation import check_adam_hyperparameters
 from .dtensor import is_dtensor, placed_like
-from .moment_formats import SEED_KEY, moments_named
+from .lowprec.formats import SEED_KEY, moments_named
+from .validation import check_adam_hyperparameters
 
 RESTORED = ("betas", "eps", "weight_decay")
 # Param-group keys that stay the loading optimizer's: how it runs (its implementation switches, capturable,
 # which only mirrors the optimizer's own setting), options it refuses (checked: False in the saved groups),
 # and what is restored by its own rules below or elsewhere (the stochastic-rounding seed:
-# moment_formats.MomentFormats.restore_seeds). Every other saved key comes back, as torch.optim restores
+# lowprec.formats.MomentFormats.restore_seeds). Every other saved key comes back, as torch.optim restores
 # every key (an LR scheduler's ``initial_lr``, user keys such as a group's name).
 OWN_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable", "amsgrad", SEED_KEY,
                       "lr", "adam_w_mode", "decoupled_weight_decay", "maximize", "param_names", *RESTORED})
@@ -96,7 +96,7 @@ def restore_hyperparameters(groups: list[dict[str, Any]], saved_groups: list[dic
 def saved_state_by_param(groups: list[dict[str, Any]], state_dict: Any, where: str) -> list[tuple[Tensor, Any]]:
     """(param, its saved state) for every entry of a torch-format state dict (``state`` keyed by the
     saved groups' param ids), after checking the saved groups against `groups`; 8-bit codes saved under
-    their own keys are back under their moment's (``moment_formats.moments_named``)."""
+    their own keys are back under their moment's (``lowprec.formats.moments_named``)."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"{where}: expected a dict, got {type(state_dict).__name__}")
     saved_groups = state_dict.get("param_groups")

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._validation import FLOAT_DTYPES, is_dense
+from .validation import FLOAT_DTYPES, is_dense
 
 
 def is_walkable(t: Tensor) -> bool:

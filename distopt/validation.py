@@ -90,7 +90,7 @@ def check_graph_lr(groups: list[dict], captured: list[Tensor] | None, index: int
 def check_param_tensors(params: list[Tensor], owner: str, views: bool = False) -> torch.device | None:
     """The one device all `params` are on (None for no params); raises for several devices, a dtype
     the kernels do not take, or a tensor whose elements do not fill its memory once (not dense).
-    `views` (FusedAdam, distopt/_kernel_views.py): complex params whose real parts have a kernel
+    `views` (FusedAdam, distopt/kernel_views.py): complex params whose real parts have a kernel
     dtype, and params with gaps in memory, are taken too (not ones whose elements share memory)."""
     devices = {p.device for p in params}
     if len(devices) > 1:
