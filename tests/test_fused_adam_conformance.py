@@ -375,7 +375,7 @@ def test_param_names_kept_through_loads_as_adamw(named_save, named_load):
 
 
 def test_negative_control_names_dropped_by_a_load_are_caught(monkeypatch):
-    import distopt.fused_adam as fused_adam
+    import distopt.fused_adam.optimizer as fused_adam
     import distopt.state_dicts as state_dicts
 
     def forgetful(groups, saved_groups):

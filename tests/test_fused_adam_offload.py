@@ -21,7 +21,7 @@ from test_fused_adam import POISON, assert_scaled_runs_match, make_model, scaled
 from torch import nn
 
 from distopt import FusedAdam
-from distopt._host_step import HostStep
+from distopt.fused_adam.host_step import HostStep
 from distopt.offload import HostTransfers, Landing
 
 import tolerances

@@ -1,4 +1,4 @@
-"""FusedAdam's step plan (distopt/_step_plan.py): the steady-state step reuses its kernel lists, does
+"""FusedAdam's step plan (distopt/fused_adam/plan.py): the steady-state step reuses its kernel lists, does
 no Python work per param, and gives exactly the general step's bits through every change the plan
 must notice (grads replaced, kept, missing or in another layout; groups added; hyperparameters
 changed; state loaded; storage replaced; a step count edited in place), with complex params and

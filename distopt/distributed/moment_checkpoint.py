@@ -1,6 +1,6 @@
 """DistributedFusedAdam's per-param state dicts with low-precision moments (checkpoint.py's hooks).
 
-``state_dict()`` holds each moment in its format, as FusedAdam's does (distopt/_moment_state.py),
+``state_dict()`` holds each moment in its format, as FusedAdam's does (distopt/fused_adam/moments.py),
 shaped like the param: ``exp_avg``/``exp_avg_sq`` in bf16, or an 8-bit moment's uint8 codes under
 ``exp_avg_codes``/``exp_avg_sq_codes`` and its absmax scales under ``exp_avg_absmax``/
 ``exp_avg_sq_absmax``, one per 256 elements from the param's first element in its memory order;

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops
-from .kernel_views import as_real, state_dtype
-from .offload import HOST, HostTransfers, Landing
+from .. import ops
+from ..kernel_views import as_real, state_dtype
+from ..offload import HOST, HostTransfers, Landing
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "param")
 

@@ -9,15 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _step_plan, dtensor, ops
-from . import kernel_views as views
-from ._host_step import STATE_TENSORS, HostStep
-from ._moment_state import MomentState, element_offset
-from ._traced_step import TracedStep
-from .grad_scaling import GradScaling, count_step
-from .lowprec.formats import ABSMAX_KEYS, MomentFormats, codes_keyed, saved_seeds
-from .state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
-from .validation import (
+from .. import dtensor, ops
+from .. import kernel_views as views
+from ..grad_scaling import GradScaling, count_step
+from ..lowprec.formats import ABSMAX_KEYS, MomentFormats, codes_keyed, saved_seeds
+from ..state_dicts import convert_param_state, load_with_hooks, restore_hyperparameters, saved_state_by_param
+from ..validation import (
     check_adam_hyperparameters,
     check_adamw_options,
     check_graph_lr,
@@ -25,6 +22,11 @@ from .validation import (
     reconcile_weight_decay_switch,
     weight_decay_mode,
 )
+from . import plan
+from .general_step import GeneralStep
+from .host_step import STATE_TENSORS, HostStep
+from .moments import MomentState
+from .traced_step import TracedStep
 
 # Attributes that pickle and deepcopy carry besides torch's (defaults, state, param_groups). Hooks are
 # dropped, as torch.optim does; the GradScaler weakref and the caches are rebuilt (see __setstate__).
@@ -33,7 +35,7 @@ _PICKLED = ("master_weights", "capturable", "offload_optimizer", "_moments", "_d
 _TRANSIENT = ("_scaler", "_graph_lrs", "_plan", "_host")
 
 
-class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
+class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
     """Adam/AdamW whose whole update (grad unscale, moments, bias correction, param write and the
     model-precision copy) is one fused multi-tensor pass per group of same-dtype tensors.
 
@@ -47,8 +49,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         (``torch.optim.Adam``). Giving both with different values raises ValueError. Per group.
       foreach, fused: accepted (None, True or False) and change nothing: the update is always
         distopt's fused multi-tensor kernel.
-      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward), also
-        when a group is changed to it later (``step()`` raises before anything changes).
+      amsgrad, differentiable: only False; True raises ValueError (no AMSGrad moment, no backward). A
+        group whose option is changed to an unsupported value makes ``step()`` raise before anything
+        changes.
       master_weights: keep fp32 master copies of fp16/bf16 params in ``state[p]["param"]``;
         the update runs on the masters and writes the model params in the same pass. Off by default:
         16-bit params are then updated directly (fp32 math, one rounding per step, as torch does).
@@ -60,7 +63,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
       offload_optimizer: keep every param's fp32 master (``state["param"]``, fp32 params included) and
         both moments in host memory (pinned for CUDA params) and run the update there: each step
         copies the grads to the host, runs the fused CPU kernel (the same math, hence the same bits
-        as ``master_weights=True`` on the device) and copies the new params back (distopt/_host_step.py).
+        as ``master_weights=True`` on the device) and copies the new params back
+        (distopt/fused_adam/host_step.py).
         Not with ``capturable`` (ValueError). Under torch.compile the step runs eagerly (a graph break
         at ``step``; ``fullgraph=True`` raises).
       exp_avg_dtype, exp_avg_sq_dtype: the moments' storage (Transformer Engine's names): torch.float32
@@ -69,10 +73,12 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         params under 4,096 elements keep fp32), not TE's uint8 (fp8 E4M3 values, one scale per tensor).
       stochastic_rounding: every store to bf16 (bf16 moments; bf16 params without master weights, which
         then train unbiasedly) rounds stochastically, keyed by ``group["rounding_seed"]`` (saved in state
-        dicts): reproducible. Both: distopt/_moment_state.py (DTensors; state dicts, AdamW's fp32 format).
+        dicts): reproducible. Both: distopt/fused_adam/moments.py (DTensors; state dicts, AdamW's fp32
+        format).
 
-    The kernel's argument lists are built once and reused (distopt/_step_plan.py): a steady-state step
-    does no Python work per param; adding groups, loading state or changing a param's dtype rebuilds them.
+    The kernel's argument lists are built once and reused (distopt/fused_adam/plan.py): a steady-state
+    step does no Python work per param; adding groups, loading state or changing a param's dtype rebuilds
+    them.
 
     Under ``torch.compile`` the step runs without graph breaks and never specialises on the step
     count: lr and the steps reach the kernel as tensors, and the state is created outside the graph
@@ -90,7 +96,8 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
     State uses torch's format: ``step`` (float32 scalar tensor; on the CPU unless capturable),
     ``exp_avg`` and ``exp_avg_sq`` (fp32, complex64 for complex params; the param's shape and memory
-    format; contiguous if not dense), so state dicts move between this class and ``torch.optim.AdamW``.
+    format; contiguous if not dense), so state dicts move between this class and ``torch.optim.AdamW``
+    both ways.
 
     DTensor params (FSDP2, HSDP, tensor parallelism) are updated on their local shards; their state is
     DTensors laid out as they are; norms count each element once over their meshes (distopt/dtensor.py).
@@ -135,16 +142,16 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                         decoupled_weight_decay=mode, adam_w_mode=mode)
         check_adamw_options(defaults, "FusedAdam: ")
         formats = MomentFormats(exp_avg_dtype, exp_avg_sq_dtype, stochastic_rounding)  # checked: clear errors
-        self._moments = MomentState(formats, offload_optimizer)  # distopt/_moment_state.py
+        self._moments = MomentState(formats, offload_optimizer)  # moments.py
         defaults.update(self._moments.defaults())  # the rounding seed (param groups carry it into state dicts)
         self.master_weights = master_weights
         self.capturable = capturable
         self.offload_optimizer = bool(offload_optimizer)
-        self._host: HostStep | None = None  # built at the first use (distopt/_host_step.py)
+        self._host: HostStep | None = None  # built at the first use (host_step.py)
         super().__init__(params, defaults)  # checks each group through add_param_group
         self._init_grad_scaling(self._device)
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
-        self._plan: _step_plan.StepPlan | None = None  # the steady state's kernel lists (_step_plan.py)
+        self._plan: plan.StepPlan | None = None  # the steady state's kernel lists (plan.py)
         self._plan_epoch = 0  # bumped when the plan must go: groups added, state loaded
 
     def _check_params(self, params: list[Tensor]) -> None:
@@ -211,25 +218,10 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                 state.update(self._host_step().new_state(p))
                 return state
             # Made on a DTensor param's local shard (no DTensor dispatch), then wrapped like the param.
-            state.update(self._moments.new_moments(p))  # in their formats (distopt/_moment_state.py)
+            state.update(self._moments.new_moments(p))  # in their formats (moments.py)
             if self._uses_master(p):
                 state["param"] = dtensor.like_param(p, lambda t: views.state_like(t).copy_(t.detach()))
         return state
-
-    @staticmethod
-    def _check_grad(p: Tensor) -> Tensor:
-        p, g = dtensor.local_param_and_grad(p)  # a DTensor param's: the local shards, laid out alike
-        if g.is_sparse:
-            raise RuntimeError("FusedAdam does not support sparse gradients")
-        if g.is_complex() != p.is_complex() or g.dtype not in views.DTYPES:
-            raise RuntimeError(f"FusedAdam: gradients must be float32, float16 or bfloat16 (complex for complex "
-                               f"params), got {g.dtype} for a {p.dtype} param")
-        if g.shape != p.shape or g.device != p.device:
-            raise RuntimeError(f"FusedAdam: a gradient of shape {tuple(g.shape)} on {g.device} does not match "
-                               f"its param ({tuple(p.shape)} on {p.device})")
-        if g.stride() == p.stride() and p.is_contiguous():
-            return g
-        return views.in_layout(p, g)  # the kernel walks every list in the param's memory order
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -248,7 +240,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
 
         grad_scale, found_inf = self._amp_scalars()
         if compiling:
-            self._step_traced(work, grad_scale, found_inf)  # distopt/_traced_step.py
+            self._step_traced(work, grad_scale, found_inf)  # traced_step.py
             self._reset_grad_scaling()
             return loss
 
@@ -267,7 +259,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
                 for index, (group, params, grads) in enumerate(work_round):
                     if params:
                         self._step_group(index, group, params, grads, grad_scale, found_inf)
-            self._plan = _step_plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
+            self._plan = plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
 
@@ -278,8 +270,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         sizes = {k: sum(dtensor.local(s[k]).nbytes for s in self.state.values() if k in s) for k in keys}
         report = {"master": sizes["param"], "moments": sum(sizes[k] for k in keys if k != "param"),
                   "staging": self._host.staging_bytes() if self._host is not None else 0}
-        total, off = sum(report.values()), self.offload_optimizer
-        return {**report, "device": 0 if off else total, "host": total if off else 0, "total": total}
+        total = sum(report.values())
+        return {**report, "device": 0 if self.offload_optimizer else total,
+                "host": total if self.offload_optimizer else 0, "total": total}
 
     def _check_groups(self) -> None:
         for index, group in enumerate(self.param_groups):
@@ -305,15 +298,15 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
     # ------------------------------------------------------------------ the planned (steady-state) step
 
     def _plan_key(self) -> tuple:
-        return _step_plan.plan_key(self.param_groups, self.state, self._plan_epoch)
+        return plan.plan_key(self.param_groups, self.state, self._plan_epoch)
 
-    def _planned_calls(self) -> list[tuple[_step_plan.Call, list[Tensor]]] | None:
+    def _planned_calls(self) -> list[tuple[plan.Call, list[Tensor]]] | None:
         if self._plan is None:
             return None
         # A capturable step counts its steps before the kernel runs: its grads are all checked first.
         return self._plan.current(self._plan_key(), self.param_groups, self.state, check_first=self.capturable)
 
-    def _run_call(self, call: _step_plan.Call, grads: list[Tensor], grad_scale, found_inf,
+    def _run_call(self, call: plan.Call, grads: list[Tensor], grad_scale, found_inf,
                   refusable: bool = False) -> bool:
         """One planned kernel call: the lists of _step_group, without building them. `refusable`: the
         kernel's refusal of the grads (it checks every list before writing) returns False, nothing
@@ -344,22 +337,9 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         views.write_back(staged)
         return True
 
-    def _work(self) -> list[tuple[dict, list[Tensor], list[Tensor]]]:
-        """(group, params with a gradient, their checked gradients) per group: the general step's lists."""
-        work = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            # Also params put into param_groups after construction (accelerate's FSDP2 preparation swaps the
-            # DTensors in), which add_param_group never saw.
-            dtensor.check_params(params, "FusedAdam", self.offload_optimizer)
-            self._moments.check_params([dict(params=params)], master_weights=None)  # (a step's params only)
-            work.append((group, params, [self._check_grad(p) for p in params]))
-            dtensor.check_states(params, self.state)
-        return work
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         if torch.compiler.is_compiling():
-            self._zero_grad_traced(set_to_none)  # distopt/_traced_step.py
+            self._zero_grad_traced(set_to_none)  # traced_step.py
         else:
             super().zero_grad(set_to_none)
         self._reset_grad_scaling()
@@ -406,48 +386,6 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         return dict(beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                     adam_w_mode=group["adam_w_mode"], maximize=group["maximize"], grad_scale=grad_scale)
-
-    def _buckets(self, params, grads, eager: bool) -> dict[tuple, list[tuple]]:
-        """(param, grad, state, (position in param_groups, element offset)) per kernel call: one per dtypes
-        (moments' too), need of views (and eager: step number, which the eager op takes as a number)."""
-        positions = {id(q): i for i, q in enumerate(q for group in self.param_groups for q in group["params"])}
-        buckets: dict[tuple, list[tuple]] = defaultdict(list)
-        for p, g in zip(params, grads):
-            where = (positions[id(p)], element_offset(p))
-            p, g, state = dtensor.local_entry(p, g, self._init_state(p))  # a DTensor param's: its local shards
-            key = (p.dtype, g.dtype, "param" in state, views.needs_view(p), state["exp_avg"].dtype,
-                   state["exp_avg_sq"].dtype)
-            if eager:
-                key += (int(state["step"].item()),)
-            buckets[key].append((p, g, state, where))
-        return buckets
-
-    def _lists(self, entries: list[tuple], key: tuple, group: dict) -> tuple[dict[str, Any], list]:
-        """The kernel's lists for one bucket (moment formats' arguments too), and what to write back after it."""
-        has_master = key[2]
-        states = [e[2] for e in entries]
-        lists = dict(params=[s["param"] if has_master else e[0] for e, s in zip(entries, states)],
-                     grads=[e[1] for e in entries], exp_avgs=[s["exp_avg"] for s in states],
-                     exp_avg_sqs=[s["exp_avg_sq"] for s in states],
-                     param_outs=[e[0] for e in entries] if has_master else ())
-        lists, staged = views.kernel_lists(**lists) if key[3] else (lists, ())
-        lists.update(self._moments.call_kwargs(*MomentState.kernel_scales(states), [e[3][0] for e in entries],
-                                               [e[3][1] for e in entries], group))
-        return lists, staged
-
-    def _step_group(self, index: int, group, params, grads, grad_scale, found_inf) -> None:
-        hyper = self._hyper(group, grad_scale)
-        for key, entries in self._buckets(params, grads, eager=not self.capturable).items():
-            lists, staged = self._lists(entries, key, group)
-            steps = [e[2]["step"] for e in entries]
-            if self.capturable:
-                lr = self._capturable_lr(index)
-                count_step(steps, found_inf)
-                ops.adam_step_(**lists, lr=lr, step=steps, found_inf=found_inf, **hyper)
-            else:
-                ops.adam_step_(**lists, lr=float(group["lr"]), step=key[-1] + 1, **hyper)
-                torch._foreach_add_(steps, 1)
-            views.write_back(staged)
 
     def _capturable_lr(self, index: int) -> Tensor:
         """The group's lr as a device tensor (a number set after construction becomes one); remembers
@@ -497,7 +435,7 @@ class FusedAdam(GradScaling, TracedStep, torch.optim.Optimizer):
         seeds = saved_seeds(state_dict["param_groups"])
         step_device = self._device if self.capturable else torch.device("cpu")
         # Moments saved in any format: read as fp32, stored in this optimizer's (the saved bits where they
-        # are in it already), all before anything is replaced (distopt/_moment_state.py).
+        # are in it already), all before anything is replaced (moments.py).
         self.state = defaultdict(dict, {p: self._moments.stored(p, convert_param_state(
             p, self._moments.saved_as_float32(p, s), master=self._uses_master(p), new=self._fp32_like,
             step_device=step_device), s) for p, s in saved})

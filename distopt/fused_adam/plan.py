@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import dtensor
-from ._moment_state import MomentState, element_offset
-from .kernel_views import layout_strides, needs_view
+from .. import dtensor
+from ..kernel_views import layout_strides, needs_view
+from .moments import MomentState, element_offset
 
 _grad = operator.attrgetter("grad")
 _dtype = operator.attrgetter("dtype")
@@ -76,7 +76,7 @@ class Call:
     # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
     # longer than the update itself).
     step_storage: Tensor | None = None
-    # Low-precision moments (distopt/_moment_state.py): 8-bit moments' absmax tensors (else empty), and
+    # Low-precision moments (moments.py): 8-bit moments' absmax tensors (else empty), and
     # each param's position in param_groups order and first element (stochastic rounding's keys).
     exp_avg_scales: list[Tensor] = field(default_factory=list)
     exp_avg_sq_scales: list[Tensor] = field(default_factory=list)

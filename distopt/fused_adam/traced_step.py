@@ -1,7 +1,7 @@
 """FusedAdam's step as torch.compile traces it: the state created before the graph reads it, lr and
 the step counts handed to the kernel as tensors, and torch's ``zero_grad`` in a form Dynamo traces.
 
-A mixin of FusedAdam (distopt/fused_adam.py), whose ``step()`` and ``zero_grad()`` come here when
+A mixin of FusedAdam (optimizer.py), whose ``step()`` and ``zero_grad()`` come here when
 ``torch.compiler.is_compiling()``; the kernel lists are FusedAdam's own (``_buckets``, ``_lists``).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernel_views as views
-from . import ops
-from .grad_scaling import count_step
+from .. import kernel_views as views
+from .. import ops
+from ..grad_scaling import count_step
 
 
 class TracedStep:

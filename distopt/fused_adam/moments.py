@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from . import dtensor
-from .kernel_views import state_like
-from .lowprec import formats as mf
-from .lowprec.codecs import QUANT_BLOCK, zero_code
+from .. import dtensor
+from ..kernel_views import state_like
+from ..lowprec import formats as mf
+from ..lowprec.codecs import QUANT_BLOCK, zero_code
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
