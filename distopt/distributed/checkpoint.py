@@ -62,7 +62,6 @@ from ..state_dicts import (
     tensor_crc32,
 )
 from . import atomic_replace, dcp_sharded, moment_checkpoint, sharded_files
-from .agreement import raise_together
 from .atomic_replace import describe
 from .buckets import BucketRuntime, flat
 from .checkpoint_extra import (
@@ -75,10 +74,9 @@ from .checkpoint_extra import (
     _map_leaves,
     _targets,
 )
-from .comm import Comm
+from .comm import Comm, raise_together
 from .dcp_sharded import ShardedParamState, sharded_state_dicts  # noqa: F401 (re-exported: the public name)
 from .sharded_files import SHARDED_FORMAT
-from .state_view import fragment_master
 from .tensor_parallel import checkpoint_group, chunk_name, layout_text, local_value, param_state
 
 FORMAT = "distopt.per_param.v1"
@@ -178,7 +176,7 @@ def _local_shard(b: BucketRuntime, key: str, params: list[Tensor]) -> Tensor:
         return b.state.master
     shard = torch.zeros(b.spec.shard_numel, dtype=torch.float32, device=b.device)
     for f in b.fragments:
-        shard[f.shard_offset : f.shard_offset + f.numel] = fragment_master(b, f, params)
+        shard[f.shard_offset : f.shard_offset + f.numel] = b.fragment_master(f, params)
     return shard
 
 

@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from ..lowprec import formats as mf
 from ..lowprec.codecs import QUANT_BLOCK
 from .boxes import Box, box_view, boxes, memory_order
-from .state_view import fragment_master
 from .tensor_parallel import chunk_origin
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -265,7 +264,7 @@ def fragment_pieces(b: Any, f: Any, tensors: list[Tensor]) -> dict[str, tuple[in
     shard's values there: views, but for the masters of 16-bit params without stored ones). 8-bit
     fragments start on a block (moments.py), so their scales are the param's blocks from
     ``param_offset // 256``."""
-    out = {"param": (f.param_offset, fragment_master(b, f, tensors))}
+    out = {"param": (f.param_offset, b.fragment_master(f, tensors))}
     for name in mf.SIGNED:
         state, scales = getattr(b.state, name), getattr(b.state, f"{name}_scales")
         out[mf.CODES_KEYS[name] if state.dtype == torch.uint8 else name] = (
