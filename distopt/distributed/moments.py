@@ -15,9 +15,9 @@ low-precision moments or stochastic rounding nothing here changes the fp32 layou
 The rounding seed is ``group["rounding_seed"]`` (as FusedAdam's, drawn by ``lowprec.formats.draw_seed``
 at construction and saved in state dicts); when the layout is built every rank takes rank 0's.
 
-``state_dict()``/``load_state_dict()`` (moment_checkpoint.py), the sharded form for
-torch.distributed.checkpoint (``state_dict(sharded=True)``, dcp_sharded.py) and distopt's own sharded
-files (``checkpoint.save``/``load``, sharded_files.py) hold the moments in their formats.
+``state_dict()``/``load_state_dict()`` (checkpoint/moments.py), the sharded form for
+torch.distributed.checkpoint (``state_dict(sharded=True)``, checkpoint/dcp_state.py) and distopt's own
+sharded files (``checkpoint.save``/``load``, checkpoint/file_format.py) hold the moments in their formats.
 ``opt.state`` shows the stored moments (bf16 values, or 8-bit codes: their absmax scales are in the
 state dict).
 

@@ -355,7 +355,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
         with `gather_on_rank0` only rank 0 assembles it (the others return None). `sharded` (default:
         True inside ``checkpoint.sharded_state_dicts(self)``): each state tensor holds only this rank's
-        elements, as views of its shard, for torch.distributed.checkpoint (dcp_sharded.py). Hooks fire."""
+        elements, as views of its shard, for torch.distributed.checkpoint (checkpoint/dcp_state.py). Hooks fire."""
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0, sharded))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -370,7 +370,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                         "and module hooks, and this rank's shard of the state. Use state_dict() (or "
                         "distopt.distributed.checkpoint.save) and build a new optimizer to load it into.")
 
-    # What checkpoint.py reads and writes, and nothing more (its ShardedOptimizer protocol).
+    # What checkpoints read and write, and nothing more (checkpoint/protocol.py: ShardedOptimizer).
 
     @property
     def step_count(self) -> int:

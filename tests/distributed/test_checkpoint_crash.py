@@ -309,7 +309,7 @@ def test_load_reads_the_newest_complete_version_while_the_path_is_missing(tmp_pa
 
 def in_place_save_twice(rank: int, world_size: int, path: str, victim: int, at: int):
     """save_twice with saves written straight into `path`, as before crash-consistent saves."""
-    from distopt.distributed import atomic_replace
+    from distopt.distributed.checkpoint import atomic_replace
 
     atomic_replace.replace_dir = lambda path, write, group=None: write(path)
     return save_twice(rank, world_size, path, victim, at, False)

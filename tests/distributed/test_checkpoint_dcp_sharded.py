@@ -1,4 +1,4 @@
-"""DistributedFusedAdam's sharded state dict for torch.distributed.checkpoint (dcp_sharded.py, boxes.py):
+"""DistributedFusedAdam's sharded state dict for torch.distributed.checkpoint (dcp_state.py, boxes.py):
 what saving it costs per rank (against the gathered form), how a param's flat ranges become boxes,
 params in other memory formats and of no dims, loads that fail or stop halfway, and what is refused.
 The resumes through torch's standard API, in both forms, are test_dcp_api.py's."""
@@ -26,7 +26,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed import boxes, checkpoint, dcp_sharded
+from distopt.distributed import checkpoint
+from distopt.distributed.checkpoint import boxes, dcp_state
 
 from harness import run_ranks
 from test_checkpoint import (
@@ -268,7 +269,7 @@ def sharded_refusals(rank: int, world_size: int) -> list[str]:
             torch.save(full, io.BytesIO())
         with pytest.raises(TypeError, match="only this rank's part"):
             full["state"]["0.weight"]["exp_avg"].sum()
-    assert not dcp_sharded.active(opt)
+    assert not dcp_state.active(opt)
     state = opt.state_dict()["state"]  # whole tensors again, outside the block
     assert all(type(v) is torch.Tensor for entry in state.values() for v in entry.values())
     before = snapshot(opt, model, None)

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed import checkpoint, dcp_sharded
+from distopt.distributed import checkpoint
+from distopt.distributed.checkpoint import dcp_state
 
 import tolerances
 from harness import run_ranks
@@ -110,7 +111,7 @@ def sharded_or_not(opt, api: str):
 def assert_form(optim_sd: dict, opt) -> None:
     """Each rank's part of each state tensor inside sharded_state_dicts(opt), whole tensors outside."""
     kinds = {type(v) for entry in optim_sd["state"].values() for k, v in entry.items() if k != "step"}
-    assert kinds == ({checkpoint.ShardedParamState} if dcp_sharded.active(opt) else {torch.Tensor}), kinds
+    assert kinds == ({checkpoint.ShardedParamState} if dcp_state.active(opt) else {torch.Tensor}), kinds
 
 
 def save_through_api(rank: int, world_size: int, setup: Setup, path: str, api: str) -> dict:

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from distopt import DistributedFusedAdam, FusedAdam
 from distopt import moment_formats as mf
-from distopt.distributed import checkpoint, dcp_sharded
+from distopt.distributed import checkpoint
+from distopt.distributed.checkpoint import dcp_state
 
 from harness import run_ranks
 from test_lowprec import (
@@ -196,12 +197,12 @@ def test_files_of_other_formats_load_as_through_load_state_dict(tmp_path, saved_
 
 
 def save_without_scales(rank: int, world_size: int, path: str) -> None:
-    pieces = dcp_sharded.fragment_pieces
-    dcp_sharded.fragment_pieces = lambda *a: {k: v for k, v in pieces(*a).items() if "absmax" not in k}
+    pieces = dcp_state.fragment_pieces
+    dcp_state.fragment_pieces = lambda *a: {k: v for k, v in pieces(*a).items() if "absmax" not in k}
     try:
         save(rank, world_size, (U8, U8, False), path, "files")
     finally:
-        dcp_sharded.fragment_pieces = pieces
+        dcp_state.fragment_pieces = pieces
 
 
 def refusals(rank: int, world_size: int, fp32_path: str, unscaled_path: str) -> str:

@@ -11,7 +11,7 @@ moments keep their format and ``state_dict()``'s keys (``state_keys``): bf16 val
 moment's codes and absmax scales, whose 256-element blocks never straddle two ranks; so dcp.load
 reshards them bit for bit, and a checkpoint in another format fails at its missing keys (bf16 and fp32
 values convert as DCP casts them: to nearest, as a state dict's load quantises). A shard is a
-flat range of each param (layout.py), which DTensor placements cannot express; boxes.py cuts it into
+flat range of each param (distributed/layout.py), which DTensor placements cannot express; boxes.py cuts it into
 boxes, and ``ShardedParamState`` hands them to torch.distributed.checkpoint through its
 ``_Checkpointable`` protocol, as DTensor does. dcp.save writes each rank's boxes; dcp.load reads, into
 this rank's boxes, the parts of the saved ones that overlap them, whatever the world size or layout
@@ -32,20 +32,20 @@ import ctypes
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..lowprec import formats as mf
-from ..lowprec.codecs import QUANT_BLOCK
+from ...lowprec import formats as mf
+from ...lowprec.codecs import QUANT_BLOCK
+from ..buckets import BucketRuntime
+from ..layout import Fragment
 from .boxes import Box, box_view, boxes, memory_order
-from .tensor_parallel import chunk_origin
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import ShardedOptimizer
+from .placement import chunk_origin
+from .protocol import ShardedOptimizer
 
 _DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # optimizer -> nesting depth
 
@@ -246,7 +246,7 @@ def sharded_state(opt: ShardedOptimizer) -> dict[int, dict[str, Tensor]]:
     return state
 
 
-def state_keys(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
+def state_keys(opt: ShardedOptimizer, p: Tensor) -> dict[str, torch.dtype]:
     """A param's state keys in the sharded form and their dtypes: ``param`` (fp32) and each moment in its
     format, as in ``state_dict()``: fp32 or bf16 values under the moment's name, or an 8-bit moment's
     codes (uint8) and absmax scales (fp32) under ``lowprec.formats.CODES_KEYS`` and ``ABSMAX_KEYS``."""
@@ -259,10 +259,10 @@ def state_keys(opt: Any, p: Tensor) -> dict[str, torch.dtype]:
     return out
 
 
-def fragment_pieces(b: Any, f: Any, tensors: list[Tensor]) -> dict[str, tuple[int, Tensor]]:
+def fragment_pieces(b: BucketRuntime, f: Fragment, tensors: list[Tensor]) -> dict[str, tuple[int, Tensor]]:
     """A fragment's state as ``state_keys`` names it: key -> (first element, or block, in the param; the
     shard's values there: views, but for the masters of 16-bit params without stored ones). 8-bit
-    fragments start on a block (moments.py), so their scales are the param's blocks from
+    fragments start on a block (distributed/moments.py), so their scales are the param's blocks from
     ``param_offset // 256``."""
     out = {"param": (f.param_offset, b.fragment_master(f, tensors))}
     for name in mf.SIGNED:

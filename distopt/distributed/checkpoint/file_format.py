@@ -2,8 +2,8 @@
 
 Each rank writes, per param it owns part of, one 1-D tensor per state key and contiguous range, under
 ``optim.state.<param>.<key>.<first>`` (with its CRC-32 under ``optim.checksum.<param>.<key>.<first>``):
-<param> is tensor_parallel.chunk_name, <first> the range's first element in the param's memory order (a
-DTensor's local chunk). The keys are ``state_dict()``'s (dcp_sharded.fragment_pieces): ``param`` (fp32),
+<param> is placement.chunk_name, <first> the range's first element in the param's memory order (a
+DTensor's local chunk). The keys are ``state_dict()``'s (dcp_state.fragment_pieces): ``param`` (fp32),
 each moment's values (``exp_avg``, ``exp_avg_sq``: fp32 or bf16) or, for an 8-bit moment, its uint8
 codes (``exp_avg_codes``, ...) and fp32 absmax scales (``exp_avg_absmax``, ...: <first> counts 256-element
 blocks; a codes range starts on a block and its scales are saved with it, under its first block).
@@ -27,10 +27,11 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..lowprec import formats as mf
-from ..lowprec.codecs import QUANT_BLOCK
-from .dcp_sharded import ShardedParamState
-from .tensor_parallel import check_saved_layout, chunk_name, chunk_origin
+from ...lowprec import formats as mf
+from ...lowprec.codecs import QUANT_BLOCK
+from .dcp_state import ShardedParamState
+from .placement import check_saved_layout, chunk_name, chunk_origin
+from .protocol import ShardedOptimizer
 
 SHARDED_FORMAT = "distopt.sharded.v2"
 UNVERIFIED_SHARDED_FORMAT = "distopt.sharded.v1"  # before checksums
@@ -81,7 +82,8 @@ def saved_keys(saved: Saved, name: str) -> list[str]:
     return [k for k in DTYPES if (name, k) in saved]
 
 
-def check_coverage(opt: Any, checkpoint_id: str, meta: dict[str, Any], saved: Saved, md: Metadata | None) -> None:
+def check_coverage(opt: ShardedOptimizer, checkpoint_id: str, meta: dict[str, Any], saved: Saved,
+                   md: Metadata | None) -> None:
     """Every param has the saved shape, memory format and DTensor layout; its master and each moment, in
     one format (values, or codes with their scales), are there; and each saved state tensor (a DTensor's
     local chunk) is tiled exactly once by its ranges (with checksums, where `md` is given)."""
@@ -120,7 +122,7 @@ def check_coverage(opt: Any, checkpoint_id: str, meta: dict[str, Any], saved: Sa
                                  f"of {' or '.join(str(d) for d in DTYPES[key])} each)")
 
 
-def requests(opt: Any, saved: Saved, md: Metadata, verified: bool) -> dict[str, Tensor]:
+def requests(opt: ShardedOptimizer, saved: Saved, md: Metadata, verified: bool) -> dict[str, Tensor]:
     """Fresh tensors for the saved ranges that overlap this rank's (and their checksums): state.<...>
     names as dcp.load takes them under ``optim``. An 8-bit moment's codes ranges come with their scales."""
     index = opt.checkpoint_indices()
@@ -148,7 +150,7 @@ def requests(opt: Any, saved: Saved, md: Metadata, verified: bool) -> dict[str, 
     return out
 
 
-def as_state_dict(opt: Any, read: dict[str, Tensor], saved: Saved, meta: dict[str, Any]) -> dict[str, Any]:
+def as_state_dict(opt: ShardedOptimizer, read: dict[str, Tensor], saved: Saved, meta: dict[str, Any]) -> dict[str, Any]:
     """The ranges `read` (``requests``, filled) as the sharded form of ``state_dict()``, for
     ``load_state_dict``: per param, a ShardedParamState per saved key holding the ranges read here."""
     step = torch.tensor(float(meta["step"]))

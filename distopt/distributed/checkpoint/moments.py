@@ -1,11 +1,11 @@
-"""DistributedFusedAdam's per-param state dicts with low-precision moments (checkpoint.py's hooks).
+"""Low-precision moments in DistributedFusedAdam's checkpoints (state_dict.py's hooks).
 
 ``state_dict()`` holds each moment in its format, as FusedAdam's does (distopt/fused_adam/moments.py),
 shaped like the param: ``exp_avg``/``exp_avg_sq`` in bf16, or an 8-bit moment's uint8 codes under
 ``exp_avg_codes``/``exp_avg_sq_codes`` and its absmax scales under ``exp_avg_absmax``/
 ``exp_avg_sq_absmax``, one per 256 elements from the param's first element in its memory order;
 ``param`` stays fp32 and param groups carry the ``rounding_seed``. Since 8-bit blocks never straddle
-shards (moments.py), these are the same bits at every world size and bucket size, and the two
+shards (distributed/moments.py), these are the same bits at every world size and bucket size, and the two
 optimizers' state dicts load into each other.
 ``lowprec.formats.float32_state_dict`` exports one to torch.optim.AdamW's fp32 format.
 
@@ -24,27 +24,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..lowprec import formats as mf
-from ..lowprec.codecs import QUANT_BLOCK
-from ..state_dicts import CHECKSUMS, check_state_checksums
-from .buckets import flat
-from .dcp_sharded import ShardedParamState
+from ...lowprec import formats as mf
+from ...lowprec.codecs import QUANT_BLOCK
+from ...state_dicts import CHECKSUMS, check_state_checksums
+from ..buckets import flat
+from .dcp_state import ShardedParamState
+from .protocol import ShardedOptimizer
 
 LOW = (torch.bfloat16, torch.uint8)
 # (param position in param_groups) -> {moment name: (saved state in the param's memory order, absmax)}
 Exact = dict[int, dict[str, tuple[Tensor, Tensor | None]]]
 
 
-def formats(opt: Any) -> mf.MomentFormats:
+def formats(opt: ShardedOptimizer) -> mf.MomentFormats:
     return mf.MomentFormats(opt.exp_avg_dtype, opt.exp_avg_sq_dtype, opt.stochastic_rounding)
 
 
-def fp32_keys(opt: Any, keys: tuple[str, ...]) -> tuple[str, ...]:
+def fp32_keys(opt: ShardedOptimizer, keys: tuple[str, ...]) -> tuple[str, ...]:
     """The state keys checkpoint.state_dict gathers in fp32: all, unless the moments are this module's."""
     return keys if formats(opt).plain else tuple(k for k in keys if k not in mf.SIGNED)
 
 
-def gather_moments(opt: Any, out: list[dict[str, Tensor]], keep: bool) -> None:
+def gather_moments(opt: ShardedOptimizer, out: list[dict[str, Tensor]], keep: bool) -> None:
     """Fills each param's moments in their formats (and absmax scales) into `out` (CPU tensors shaped like
     the params; on ranks that `keep` them), one all-gather of each bucket's shard of each at a time."""
     if formats(opt).plain:
@@ -78,7 +79,7 @@ def gather_moments(opt: Any, out: list[dict[str, Tensor]], keep: bool) -> None:
         out[:] = [mf.codes_keyed(entry) for entry in out]
 
 
-def split(opt: Any, sd: Any) -> tuple[Any, Exact, list[int | None]]:
+def split(opt: ShardedOptimizer, sd: Any) -> tuple[Any, Exact, list[int | None]]:
     """(`sd` with every low-precision moment read as fp32 and no absmax keys, the saved bits worth
     keeping, the saved rounding seeds). Checks (before anything changes): the checksums of the saved
     tensors, and that each 8-bit moment has its absmax scales. `sd` itself is not changed."""
@@ -138,7 +139,8 @@ def _range_reader(value: ShardedParamState, scales: Any, signed: bool, what: str
     return read
 
 
-def restore(opt: Any, exact: Exact, position_of: Callable[[Any], int | None], seeds: list[int | None]) -> None:
+def restore(opt: ShardedOptimizer, exact: Exact, position_of: Callable[[Any], int | None],
+            seeds: list[int | None]) -> None:
     """After the fp32 load: the saved bits of each moment saved in the format and memory layout this
     optimizer stores it in, over the quantised ones; and the saved rounding seeds."""
     formats(opt).restore_seeds(opt.param_groups, seeds)
