@@ -1,4 +1,10 @@
-"""DistributedFusedAdam: ZeRO-2 Adam/AdamW (sharded gradients and optimizer state) on torch.distributed."""
+"""DistributedFusedAdam: ZeRO-2 Adam/AdamW (sharded gradients and optimizer state) on torch.distributed.
+
+The class holds the options and the public methods (torch.optim's, apex's) and delegates. What it shards
+lives in runtime.py's ShardRuntime (params, layout, buckets, gradient and param sync, step counter),
+which update.py (the fused update), state_view.py (``opt.state``) and agreement.py (the ranks' check)
+take; checkpoints (checkpoint/) see this class only through its ShardedOptimizer methods below.
+"""
 
 from __future__ import annotations
 
@@ -66,22 +72,29 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         per-step allocation); under no_sync() param.grad is then a view of its bucket.
       contiguous_param_buffer=False: make every param a view of a persistent bucket buffer, so the
         all-gather writes the model params directly (needs param_sync_dtype == param dtype).
-      store_params=None: fp32 masters of this rank's shard where needed: params not fp32 or synchronised
-        in another dtype (an fp32 model synced in fp32 is its own master, read back each step). True keeps
-        them for every param (apex's default); False never (16-bit params updated directly, losing updates
-        below their precision; needs param_sync_dtype equal to the param dtype).
+      store_params=None: keep an fp32 master copy of this rank's shard of params where one is needed:
+        for params that are not fp32 or are synchronised in another dtype. An fp32 model synchronised in
+        fp32 is its own master (its shard is read back from the params each step), so sharding saves
+        the most. True keeps masters for every param (apex's default); False never does (16-bit params
+        are then updated directly, losing updates below their precision; needs param_sync_dtype equal
+        to the param dtype).
       store_param_remainders=False: for bf16 params synchronised in bf16, keep only the int16 low
         halves of the fp32 masters (the bf16 params are the high halves): fp32-exact updates for 2
         bytes per element. Other params in the same model follow store_params.
-      capturable=False: True keeps lr (``group["lr"]``: a float32 GPU tensor schedulers update in place),
-        the step count, the inf/nan flag and the unscale/clip factors on the GPU with no host sync, so a
-        whole training step (backward with its reduce-scatters, unscale, clip, step, all-gather) can be
-        captured in one CUDA graph. CUDA only. With overlap_param_sync the param buffers stay allocated.
-      offload_optimizer=False: this rank's fp32 masters, moments and grad shard in host memory (pinned
-        for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard goes to the host as its
-        reduce-scatter lands, the fused CPU kernel updates it, the new param slice comes back for the
-        all-gather; the device holds only the model, grads in flight and sync buffers. The same bits and
-        state dicts as store_params=True; not with capturable, store_params=False or remainders.
+      capturable=False: True keeps lr (``group["lr"]`` becomes a float32 GPU tensor that schedulers
+        update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
+        with no host synchronisation anywhere, so a whole training step (backward with its
+        reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
+        With overlap_param_sync the param buffers then stay allocated between steps (the graph's
+        forward gathers what its step wrote).
+      offload_optimizer=False: keep this rank's fp32 masters, moments and grad shard in host memory
+        (pinned for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard is copied to the
+        host as its reduce-scatter lands (overlapping the rest of backward), the fused CPU kernel
+        updates the shard, and the new param slice is copied back for the all-gather. Device memory
+        then holds only the model, its grads in flight and the sync buffers. Same numbers as
+        store_params=True without offload (the CPU and GPU kernels compute the same bits); same state
+        dicts. Not with capturable (a CUDA graph cannot hold the host update), store_params=False or
+        store_param_remainders (both drop the masters the host update needs).
       exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, stochastic_rounding=False: the
         moments' storage and bf16 rounding, as FusedAdam's (bf16; torch.uint8: 8-bit blockwise, params
         under 4,096 elements keep fp32), the same bits at every world size and bucket size (moments.py).
@@ -89,19 +102,25 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
     ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
     themselves. With the stock ``torch.amp.GradScaler``, ``scaler.step(opt)`` passes itself to
-    ``step(grad_scaler=...)`` (torch's FutureWarning on that keyword is silenced: its replacement cannot
-    carry the inf flag); a step whose gradients hold inf/nan on any rank changes nothing on every rank,
-    and ``scaler.update()`` backs off (without ``capturable`` the flag is read on the host once).
+    ``step(grad_scaler=...)``; a step whose gradients hold inf/nan on any rank changes nothing on
+    every rank, and ``scaler.update()`` backs off. (torch marks that keyword deprecated in favour of
+    attributes that cannot carry the inf flag of gradients it never sees; its FutureWarning is
+    silenced for this optimizer.) Without ``capturable``, a step with a scaler reads the inf flag on
+    the host once.
 
-    Unlike torch.optim.AdamW, every trainable param is updated each step: one with no gradient on any
-    rank gets a zero gradient (as in FSDP and apex). Params with requires_grad=False are not updated.
+    Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
+    updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
+    and momentum still apply), as in FSDP and apex. Params with requires_grad=False are not updated.
 
     ``opt.state`` (state_view.py) is a read-only view of what this rank holds, built on access with no
-    communication; every trainable param has an entry from construction on (torch's ``get_state_dict``
-    never takes its zero-grad step): ``step`` (float32 scalar; with capturable, the live GPU counter),
-    ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D tensors of this rank's elements in memory
-    order, empty where it holds none; views of the shard where it holds those values, else copies. Writes
-    that would change nothing raise. Frozen params read as {}. Not deep-copyable: use ``state_dict()``.
+    communication. Every trainable param has an entry from construction on (so torch's
+    ``get_state_dict`` never takes its initialising zero-grad step): ``step`` (float32 scalar; with
+    capturable, the live GPU counter) and ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D fp32
+    tensors of this rank's elements of the param in its memory order, empty where it holds none (or
+    before the layout is built); views of the shard where it holds those values, else copies (``step``; a
+    param split over buckets; ``param`` of 16-bit params without stored masters). Writes that would
+    change nothing raise: in place to a copy, assigning keys. Frozen params read as {}. torch.optim's
+    hooks fire as on torch's optimizers. It cannot be deep-copied or pickled: use ``state_dict()``.
     """
 
     def __init__(
