@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_step.py"
-sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from harness import run_ranks  # noqa: E402
 from test_benchmarks import run_quick  # noqa: E402
 

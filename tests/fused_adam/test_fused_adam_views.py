@@ -3,7 +3,7 @@ stepped as its real view, a param that is not dense in memory through a contiguo
 the bits FusedAdam gives on the equivalent plain params (the real view as a real param; a contiguous
 clone), on the general, planned and offloaded paths, with 16-bit params and fp32 masters; what a
 non-dense param shares its memory with stays untouched. (Against torch.optim.AdamW itself:
-tests/test_fused_adam_optim_db.py.)"""
+tests/fused_adam/test_fused_adam_optim_db.py.)"""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from torch.utils import cpp_extension
 
 import distopt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import check_wheel  # noqa: E402
 

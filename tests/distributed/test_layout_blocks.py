@@ -1,6 +1,6 @@
 """The planner's per-group alignment (``aligns``): 8-bit optimizer state's 256-element blocks, counted
 from each param's first element, never straddle two shards, and the layout of other groups is the
-one they get without it (tests/test_layout.py states the rest of the planner's promises).
+one they get without it (tests/distributed/test_layout.py states the rest of the planner's promises).
 """
 
 from __future__ import annotations

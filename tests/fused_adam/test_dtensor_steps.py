@@ -340,8 +340,8 @@ def test_no_host_leak_over_2000_steps():
 
 
 def compiled_like_eager(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(eager, compiled) local params and moments after 3 steps; "aot_eager", as tests/test_fused_adam_compile.py
-    (inductor compiles the same graph but takes minutes here)."""
+    """(eager, compiled) local params and moments after 3 steps; "aot_eager", as
+    tests/fused_adam/test_fused_adam_compile.py (inductor compiles the same graph but takes minutes here)."""
     runs = []
     for compiled in (False, True):
         model, _ = fsdp(0, rank, world_size)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TRAIN = str(EXAMPLES / "train.py")
 SMALL = ["--steps", "3", "--log-every", "1", "--val-every", "2", "--val-batches", "1", "--batch-size", "4",
          "--seq-len", "32", "--warmup", "1", "--ranks", "2"]

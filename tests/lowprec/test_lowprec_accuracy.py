@@ -29,7 +29,7 @@ from torch import nn
 
 from distopt import FusedAdam
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from model import TinyGPT  # noqa: E402
 
 BF16, U8, F32 = torch.bfloat16, torch.uint8, torch.float32

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TRAIN = str(EXAMPLES / "train.py")
 STEPS, EVERY = 16, 4
 ARGS = ["--steps", str(STEPS), "--log-every", "1", "--val-every", "8", "--val-batches", "1", "--batch-size", "4",

@@ -2,7 +2,7 @@
 options and their errors, the state (dtypes, layout, bytes), one step against a float64 Adam step on
 the same dequantized state, the planned and general steps, skipped steps, state dicts (bit-exact round
 trips, the seed, torch.optim.AdamW's fp32 format both ways, refused loads). Accuracy and unbiasedness:
-tests/test_lowprec_accuracy.py."""
+tests/lowprec/test_lowprec_accuracy.py."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from distopt import ops
 
 from op_helpers import BF16, FP16, FP32, INT16, assert_bits_equal, make_adam_state, run_adam, scalar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_config  # noqa: E402
 

@@ -2,7 +2,7 @@
 (``exp_avg_codes``, ``exp_avg_sq_codes``), so a loader that expects values under ``exp_avg`` (an fp32 or
 bf16 optimizer, torch.optim.AdamW, DCP's load, which casts what it reads into its template's dtype) stops
 with a missing key instead of taking codes 0..255 for moments. bf16 and fp32 moments convert through DCP
-as a state dict does. (DistributedFusedAdam: tests/distributed/test_lowprec.py.)"""
+as a state dict does. (DistributedFusedAdam: tests/lowprec/test_lowprec.py.)"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
 
 # What the benchmark must report, per kernel: {mix: implementations}. Written out here rather than
 # imported, so that dropping a configuration from the benchmark fails this test.
@@ -73,7 +73,7 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
         assert (tmp_path / "results.png").stat().st_size > 0
 
 
-BENCH_HOST = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
+BENCH_HOST = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host.py"
 HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local",
               "fsdp2_kept"}
 
@@ -98,7 +98,7 @@ def test_bench_host_quick(tmp_path: Path) -> None:
         assert (tmp_path / "results_host.png").stat().st_size > 0
 
 
-BENCH_OFFLOAD = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_offload.py"
+BENCH_OFFLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_offload.py"
 OFFLOAD_CASES = {"fused_fp32", "fused_bf16", "dfa_ws1_fp32", "dfa_ws1_bf16", "dfa_ws2_fp32"}
 
 

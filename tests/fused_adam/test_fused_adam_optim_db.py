@@ -278,7 +278,7 @@ def test_negative_control_a_wrong_setting_is_caught():
 
 def test_the_differences_are_documented():
     """What DIFFERENCES excuses is in the README's list of differences from AdamW."""
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("### Differences from torch.optim.AdamW", 1)[1].split("\n#", 1)[0]
     for key in ("amsgrad=True", "differentiable=True", "`foreach` and `fused`", "Tensor lr"):
         assert re.search(re.escape(key), section), key
