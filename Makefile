@@ -2,20 +2,21 @@
 #   make train   the main job (see README): installs torch and distopt only
 #   make test    the test suite (what CI runs in each torch): also the test tools and the integrations'
 #                frameworks
-# Both create .venv and install distopt from this checkout in editable mode on first use: pip builds
-# distopt._C (and distopt._C_cuda with nvcc) in an isolated environment with whichever torch >= 2.11 it
-# fetches; the modules use only torch's stable ABI, so they load under the torch installed here.
-# Developers who rebuild often: `make test PIP_BUILD=--no-build-isolation` builds with .venv's torch (no
-# download), or `python setup.py build_ext --inplace` after editing csrc/ (see README, Building).
+# Both create .venv and install distopt from this checkout in editable mode on first use, built against
+# .venv's own torch (--no-build-isolation: pip's isolated build would install a second torch, the newest,
+# ~3 GB, into a throwaway environment). A local build: the CPU kernels, and the CUDA kernels only for the
+# GPUs this machine sees (csrc/build_config.py); each long phase is announced by one line.
+# `make test PIP_BUILD=` builds in pip's isolated environment instead; after editing csrc/,
+# `make train` rebuilds, or `.venv/bin/python setup.py build_ext --inplace` (see README, Building).
 
 PYTHON    ?= python3
-PIP_BUILD ?=
+PIP_BUILD ?= --no-build-isolation
 VENV      := .venv
 PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip install -q
 STAMP     := $(VENV)/.distopt-built
 TEST_DEPS := $(VENV)/.test-deps
-SOURCES   := $(shell find csrc -type f) setup.py pyproject.toml
+SOURCES   := $(shell find csrc -type f -not -name '*.pyc') setup.py pyproject.toml
 
 .PHONY: train test env clean
 
@@ -29,10 +30,13 @@ test: $(STAMP) $(TEST_DEPS)
 
 env: $(STAMP) $(TEST_DEPS)
 
+# numpy: torch warns "Failed to initialize NumPy" in every process that imports it without numpy (the
+# main job's three). setuptools and ninja: the build, which runs in .venv (PIP_BUILD).
 $(VENV)/.base:
+	@echo "distopt: creating $(VENV) and installing torch (about 3 GB with its CUDA libraries: 1.5 min on a fast link)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
-	$(PIP) torch
+	$(PIP) torch numpy setuptools ninja
 	touch $@
 
 # The test tools, and the integrations tested with the real frameworks (optional at run time: see the
@@ -40,6 +44,7 @@ $(VENV)/.base:
 # import; its other dependencies serve its trainer (datasets, wandb, tensorboard) and would pin
 # huggingface_hub below 2. ninja and setuptools: the tests build distopt._C_emulated with this torch.
 $(TEST_DEPS): $(VENV)/.base
+	@echo "distopt: installing the test tools and the frameworks the integrations are tested with (about a minute)"
 	$(PIP) ninja setuptools "pytest>=8" hypothesis numpy matplotlib expecttest import-linter
 	$(PIP) "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
 	# torchao: its AdamW8bit is the 8-bit moment format the low-precision tests compare with
@@ -48,7 +53,10 @@ $(TEST_DEPS): $(VENV)/.base
 	$(PIP) --no-deps "torchtitan==0.3.0; python_version >= '3.11'"
 	touch $@
 
+# build_config.py --plan prints what the build compiles and roughly how long it takes (pip -q hides the
+# build's own output).
 $(STAMP): $(VENV)/.base $(SOURCES)
+	@$(PY) csrc/build_config.py --plan
 	$(PIP) $(PIP_BUILD) -e .
 	touch $@
 

@@ -83,7 +83,46 @@ bool non_overlapping_and_dense(IntArrayRef sizes, IntArrayRef strides) {
 
 }  // namespace
 
-TensorList describe(const Tensors& list, const Tensors& ref, const char* name, const char* allowed) {
+// Note [Raw tensor properties]
+// describe() runs for every tensor of every list of every op call: thousands per step for a model of
+// many small params. torch::stable::Tensor's scalar_type(), device() and layout() convert the C shim's
+// codes into ScalarType/Device/Layout by comparing them with one shim call per known value, which made
+// those conversions most of an op's host time. So each tensor's properties are read once as the shim's
+// raw codes (RawTensor) and compared as such; a list's first dtype is converted once, and a tensor's
+// properties only again to name them in an error.
+namespace {
+
+RawTensor raw_of(const Tensor& t) {
+  AtenTensorHandle h = t.get();
+  RawTensor r;
+  r.tensor = &t;
+  int64_t dim = 0;
+  int64_t* sizes = nullptr;
+  int64_t* strides = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &r.dtype));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &r.device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(h, &r.device_index));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_layout(h, &r.layout));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, &sizes));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, &strides));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(h, &r.data));
+  r.sizes = IntArrayRef(sizes, static_cast<size_t>(dim));  // borrowed from t, as Tensor::sizes()
+  r.strides = IntArrayRef(strides, static_cast<size_t>(dim));
+  return r;
+}
+
+}  // namespace
+
+std::vector<RawTensor> read_raw(const Tensors& list) {
+  std::vector<RawTensor> out;
+  out.reserve(list.size());
+  for (const Tensor& t : list) out.push_back(raw_of(t));
+  return out;
+}
+
+TensorList describe(const Tensors& list, const std::vector<RawTensor>& raw, const std::vector<RawTensor>& ref,
+                    const char* name, const char* allowed) {
   DISTOPT_CHECK(list.size() == ref.size(), name, ": expected ", ref.size(), " tensors, got ", list.size());
   TensorList out;
   if (list.empty()) return out;
@@ -98,30 +137,31 @@ TensorList describe(const Tensors& list, const Tensors& ref, const char* name, c
                 " tensors, got ", dtype_name(dtype));
   out.dtype = to_dtype(dtype);
   out.data.reserve(list.size());
+  const int32_t strided = aoti_torch_layout_strided();
   for (size_t i = 0; i < list.size(); ++i) {
-    const Tensor& t = list[i];
-    const Tensor& r = ref[i];
-    DISTOPT_CHECK(t.scalar_type() == dtype, name, "[", i, "]: dtype ", dtype_name(t.scalar_type()), " differs from ",
-                  name, "[0] (", dtype_name(dtype), "); group tensors by dtype");
-    DISTOPT_CHECK(t.device() == r.device(), name, "[", i, "] is on ", device_name(t.device()), ", expected ",
-                  device_name(r.device()));
-    DISTOPT_CHECK(t.layout() == torch::headeronly::Layout::Strided, name, "[", i, "]: expected a dense tensor");
-    const IntArrayRef sizes = t.sizes();  // borrowed from t
-    const IntArrayRef strides = t.strides();
-    DISTOPT_CHECK(sizes.equals(r.sizes()), name, "[", i, "]: shape ", shape_string(t), " differs from ",
-                  shape_string(r));
+    const RawTensor& t = raw[i];
+    const RawTensor& r = ref[i];
+    DISTOPT_CHECK(t.dtype == raw[0].dtype, name, "[", i, "]: dtype ", dtype_name(list[i].scalar_type()),
+                  " differs from ", name, "[0] (", dtype_name(dtype), "); group tensors by dtype");
+    DISTOPT_CHECK(t.device_type == r.device_type && t.device_index == r.device_index, name, "[", i, "] is on ",
+                  device_name(list[i].device()), ", expected ", device_name(r.tensor->device()));
+    DISTOPT_CHECK(t.layout == strided, name, "[", i, "]: expected a dense tensor");
+    DISTOPT_CHECK(t.sizes.equals(r.sizes), name, "[", i, "]: shape ", shape_string(list[i]), " differs from ",
+                  shape_string(*r.tensor));
     // Elements are walked in memory order, so every list must share the reference's layout.
-    DISTOPT_CHECK(non_overlapping_and_dense(sizes, strides) && strides.equals(r.strides()), name, "[", i,
+    DISTOPT_CHECK(non_overlapping_and_dense(t.sizes, t.strides) && t.strides.equals(r.strides), name, "[", i,
                   "]: expected a dense tensor with the same strides as its partners");
-    out.data.push_back(t.data_ptr());
+    out.data.push_back(t.data);
   }
   return out;
 }
 
-std::vector<int64_t> numels(const Tensors& list) {
+std::vector<int64_t> numels(const std::vector<RawTensor>& list) {
   std::vector<int64_t> n;
   n.reserve(list.size());
-  for (const Tensor& t : list) n.push_back(t.numel());
+  for (const RawTensor& t : list) {
+    n.push_back(std::accumulate(t.sizes.begin(), t.sizes.end(), int64_t{1}, std::multiplies<int64_t>()));
+  }
   return n;
 }
 
@@ -214,32 +254,34 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
                           const Tensors& exp_avg_scales, const Tensors& exp_avg_sq_scales) {
   TensorLists tl;
   tl.lists.resize(kNumAdamLists);
-  tl.lists[kParam] = describe(params, params, "params", "float");
-  tl.lists[kGrad] = describe(grads, params, "grads", "float");
-  tl.lists[kExpAvg] = describe(exp_avgs, params, "exp_avgs", "state");
-  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, params, "exp_avg_sqs", "state");
+  const std::vector<RawTensor> ref = read_raw(params);  // the partners every list is checked against
+  tl.lists[kParam] = describe(params, ref, ref, "params", "float");
+  tl.lists[kGrad] = describe(grads, read_raw(grads), ref, "grads", "float");
+  tl.lists[kExpAvg] = describe(exp_avgs, read_raw(exp_avgs), ref, "exp_avgs", "state");
+  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, read_raw(exp_avg_sqs), ref, "exp_avg_sqs", "state");
+  tl.numel = numels(ref);
+  const std::vector<void*>& p = tl.lists[kParam].data;
   if (!param_outs.empty()) {
-    tl.lists[kParamOut] = describe(param_outs, params, "param_outs", "float");
+    tl.lists[kParamOut] = describe(param_outs, read_raw(param_outs), ref, "param_outs", "float");
     for (size_t i = 0; i < params.size(); ++i) {
       // Empty tensors all have data_ptr() == nullptr: nothing to alias, nothing to write.
-      if (params[i].numel() > 0 && param_outs[i].data_ptr() == params[i].data_ptr()) {
-        DISTOPT_CHECK(param_outs[i].scalar_type() == params[i].scalar_type(), "param_outs[", i, "] aliases params[",
+      if (tl.numel[i] > 0 && tl.lists[kParamOut].data[i] == p[i]) {
+        DISTOPT_CHECK(tl.lists[kParamOut].dtype == tl.lists[kParam].dtype, "param_outs[", i, "] aliases params[",
                       i, "] with another dtype");
         tl.lists[kParamOut].data[i] = nullptr;  // aliases the param: nothing more to write
       }
     }
   }
   if (!param_remainders.empty()) {
-    tl.lists[kRemainder] = describe(param_remainders, params, "param_remainders", "int16");
+    tl.lists[kRemainder] = describe(param_remainders, read_raw(param_remainders), ref, "param_remainders", "int16");
     DISTOPT_CHECK(params[0].scalar_type() == ScalarType::BFloat16, "param_remainders pair with bfloat16 params, got ",
                   dtype_name(params[0].scalar_type()));
   }
+  const std::vector<void*>& m = tl.lists[kExpAvg].data;
+  const std::vector<void*>& v = tl.lists[kExpAvgSq].data;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].numel() == 0) continue;
-    const void* p = params[i].data_ptr();
-    DISTOPT_CHECK(p != exp_avgs[i].data_ptr() && p != exp_avg_sqs[i].data_ptr() &&
-                      exp_avgs[i].data_ptr() != exp_avg_sqs[i].data_ptr(),
-                  "params[", i, "], exp_avgs[", i, "] and exp_avg_sqs[", i, "] must not alias");
+    DISTOPT_CHECK(tl.numel[i] == 0 || (p[i] != m[i] && p[i] != v[i] && m[i] != v[i]), "params[", i, "], exp_avgs[",
+                  i, "] and exp_avg_sqs[", i, "] must not alias");
   }
   tl.lists[kExpAvgScale] = describe_scales(exp_avg_scales, exp_avgs, "exp_avg_scales", "exp_avgs");
   tl.lists[kExpAvgSqScale] = describe_scales(exp_avg_sq_scales, exp_avg_sqs, "exp_avg_sq_scales", "exp_avg_sqs");
@@ -247,7 +289,6 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
     DISTOPT_CHECK(exp_avg_scales[i].numel() == 0 || exp_avg_scales[i].data_ptr() != exp_avg_sq_scales[i].data_ptr(),
                   "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i, "] must not alias");
   }
-  tl.numel = numels(params);
   return tl;
 }
 
@@ -296,7 +337,8 @@ AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay
 TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const char* op) {
   DISTOPT_CHECK(!inputs.empty(), op, ": expected at least one input");
   TensorLists tl;
-  tl.lists = {describe(inputs, inputs, "inputs", "float"), describe(outputs, inputs, "outputs", "float")};
+  const std::vector<RawTensor> in = read_raw(inputs);
+  tl.lists = {describe(inputs, in, in, "inputs", "float"), describe(outputs, read_raw(outputs), in, "outputs", "float")};
   for (size_t i = 0; i < inputs.size(); ++i) {
     // Exact aliasing (in place) is fine: each element is read before it is written.
     const auto* in_begin = static_cast<const char*>(inputs[i].data_ptr());
@@ -307,7 +349,7 @@ TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const 
     DISTOPT_CHECK(!overlap || (in_begin == out_begin && inputs[i].scalar_type() == outputs[i].scalar_type()), op,
                   ": outputs[", i, "] partially overlaps inputs[", i, "]");
   }
-  tl.numel = numels(inputs);
+  tl.numel = numels(in);
   return tl;
 }
 

@@ -58,14 +58,29 @@ std::string device_name(const Device& device);
 std::string dtype_name(torch::headeronly::ScalarType dtype);
 std::string shape_string(const Tensor& t);
 
+// A tensor's properties as the C shim reports them, read once per op call (Note [Raw tensor properties]
+// in binding.cpp): raw dtype, device and layout codes, sizes and strides borrowed from the tensor.
+struct RawTensor {
+  int32_t dtype = 0;
+  int32_t device_type = 0;
+  int32_t device_index = 0;
+  int32_t layout = 0;
+  torch::headeronly::IntHeaderOnlyArrayRef sizes;
+  torch::headeronly::IntHeaderOnlyArrayRef strides;
+  void* data = nullptr;
+  const Tensor* tensor = nullptr;  // what it was read from (to name its properties in an error)
+};
+std::vector<RawTensor> read_raw(const Tensors& list);
+
 // Checks a list against the reference list (the op's first) and describes it: same length, one dtype
 // of `allowed` ("float": fp32/fp16/bf16, "fp32", "int16" or "state": an Adam moment, fp32, bf16 or uint8
 // codes, Note [State formats]), the reference's device, shape and strides, dense. `name` names the list
-// in errors.
-TensorList describe(const Tensors& list, const Tensors& ref, const char* name, const char* allowed);
+// in errors; `raw` and `ref` are read_raw(list) and read_raw(reference list).
+TensorList describe(const Tensors& list, const std::vector<RawTensor>& raw, const std::vector<RawTensor>& ref,
+                    const char* name, const char* allowed);
 
-// numel of each tensor, the TensorLists::numel of lists described against `list`.
-std::vector<int64_t> numels(const Tensors& list);
+// numel of each tensor (read_raw's), the TensorLists::numel of lists described against it.
+std::vector<int64_t> numels(const std::vector<RawTensor>& list);
 
 // A float32 one-element tensor on `device` as a pointer, or nullptr when absent.
 float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* name);
@@ -127,8 +142,9 @@ std::tuple<Tensor, Tensor> l2norm(const Tensors& tensors, const OptionalTensor& 
   DISTOPT_CHECK(!tensors.empty(), "l2norm: expected at least one tensor");
   const Device device = tensors[0].device();
   TensorLists tl;
-  tl.lists = {describe(tensors, tensors, "tensors", "float")};
-  tl.numel = numels(tensors);
+  const std::vector<RawTensor> raw = read_raw(tensors);
+  tl.lists = {describe(tensors, raw, raw, "tensors", "float")};
+  tl.numel = numels(raw);
   float* flag = scalar_ptr(found_inf, device, "found_inf");
   constexpr auto kFloat = torch::headeronly::ScalarType::Float;
   Tensor total = torch::stable::new_empty(tensors[0], {}, kFloat);

@@ -15,25 +15,50 @@ not depend on the CUDA version of the user's torch (it needs a driver for this t
                     test-only, never installed: the CUDA kernels built for the CPU SIMT emulator (see
                     EMULATED_* below); tests/backends.py builds it on first use.
 
+Local builds and wheel builds. The CUDA kernels take most of a build's time (minutes per GPU
+architecture on a small machine), so what is compiled depends on what the build is for:
+  a wheel        `pip wheel .`, `pip install .` (pip builds a wheel, then installs it), `python -m build`,
+                 CI (.ci/run): a file that may run on any machine, so distopt._C_cuda is built for every
+                 supported architecture, DEFAULT_CUDA_ARCHS, whether or not this machine has a GPU.
+  a local build  `pip install -e .` (what `make train` and `make test` run), `python setup.py
+                 build_ext --inplace`, CMake: modules for this checkout on this machine, so
+                 distopt._C_cuda is built for the GPUs this machine can see (torch's own default when
+                 TORCH_CUDA_ARCH_LIST is unset: each visible GPU's architecture, the newest with PTX),
+                 and not at all when it sees none: the build says so in one line, and how to build them.
+setup.py tells the two apart by the setuptools command that builds the modules: build_ext run in place
+(``--inplace``, or in editable mode for `pip install -e .`) is a local build; any other (bdist_wheel)
+builds a wheel. TORCH_CUDA_ARCH_LIST, when set, wins in both.
+
+Both leave debug info out (SETUP_CXX_FLAGS' -g0 overrides Python's -g): it made up 20 of distopt._C's
+25 MB and a third of its compile time. The CMake build follows CMAKE_BUILD_TYPE instead (Debug: -g).
+
 Environment:
   DISTOPT_BUILD_CUDA   auto (default): build distopt._C_cuda when torch is a CUDA build and nvcc is found,
-                       whether or not a GPU is visible. 1: require it. 0: CPU kernels only.
-  TORCH_CUDA_ARCH_LIST architectures to compile for; default "8.0;9.0;10.0+PTX" (A100, H100, B200, and
-                       PTX that newer GPUs JIT-compile). Must be set when no GPU is visible, else torch
-                       guesses.
+                       in a local build only if a GPU is visible or TORCH_CUDA_ARCH_LIST is set.
+                       1: require it (a local build without a GPU then compiles DEFAULT_CUDA_ARCHS).
+                       0: CPU kernels only.
+  TORCH_CUDA_ARCH_LIST architectures to compile for, e.g. "9.0" or "8.0;9.0;10.0+PTX"; "native": the
+                       visible GPUs'. Unset: DEFAULT_CUDA_ARCHS, "8.0;9.0;10.0+PTX" (A100, H100, B200,
+                       and PTX that newer GPUs JIT-compile), in a wheel; the visible GPUs' in a local build.
   CUDA_HOME            the toolkit; found from nvcc or /usr/local/cuda when unset.
   DISTOPT_BUILD_EMULATED
                        auto (default): the tests build and use distopt._C_emulated on Linux x86-64 with
                        GCC. 1: require it. 0: skip it.
+  MAX_JOBS             compile jobs at once (torch's extension builder; default: ninja's, the cores + 2).
+
+``python csrc/build_config.py --plan`` prints the one line a local build starts with (the Makefile shows
+it before `pip install -e .`, whose own output pip hides).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 CSRC = Path(__file__).resolve().parent
 ROOT = CSRC.parent
@@ -67,6 +92,9 @@ CXX_FLAGS = [
     "-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
     "-Wall", "-Wextra", "-Wno-unused-parameter",
 ]  # fmt: skip
+# setup.py's builds only (after CXX_FLAGS): no debug info. Python's build flags, which the extension
+# builder puts first, carry -g (nvcc gets none of them).
+SETUP_CXX_FLAGS = ["-g0"]
 # What the modules link: the stable ABI's C shim is in libtorch_cpu; the current CUDA stream in
 # libtorch_cuda; the CUDA runtime is static (with what it needs), --exclude-libs keeping its symbols out of
 # the module's exports. Nothing else of torch's (libc10 and libtorch export a few libstdc++ symbols, which
@@ -167,34 +195,121 @@ def find_cuda_home() -> str | None:
     return None
 
 
-def cuda_requested() -> bool:
-    """Whether to build the CUDA kernels (see DISTOPT_BUILD_CUDA above); raises if 1 cannot be met."""
-    import torch
-
+def _build_cuda_mode() -> str:
     mode = os.environ.get("DISTOPT_BUILD_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"DISTOPT_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
-    if mode == "0":
-        return False
+    return mode
+
+
+def cuda_problems() -> list[str]:
+    """Why the CUDA kernels cannot be built here (empty: they can)."""
+    import torch
+
     problems = []
     if torch.version.cuda is None:
         problems.append(f"torch {torch.__version__} is not a CUDA build")
     if find_cuda_home() is None:
         problems.append("no CUDA toolkit (nvcc + headers) found: set CUDA_HOME")
+    return problems
+
+
+def cuda_requested() -> bool:
+    """Whether the CUDA kernels may be built (see DISTOPT_BUILD_CUDA above: not 0, and a CUDA torch and
+    nvcc are here); raises if 1 cannot be met. cuda_plan says whether this build compiles them."""
+    mode = _build_cuda_mode()
+    if mode == "0":
+        return False
+    problems = cuda_problems()
     if problems and mode == "1":
         raise SystemExit("DISTOPT_BUILD_CUDA=1 but the CUDA kernels cannot be built: " + "; ".join(problems))
     return not problems
 
 
-def prepare_environment(with_cuda: bool) -> None:
-    """Sets CUDA_HOME and the arch list before torch.utils.cpp_extension reads them."""
+def visible_gpu_archs() -> list[str]:
+    """The architectures of the GPUs this process sees, as torch's extension builder picks them when
+    TORCH_CUDA_ARCH_LIST is unset: each GPU's compute capability, capped at the newest torch itself was
+    built for, in order, the newest also as PTX. Empty when no GPU is visible."""
+    import torch
+
+    try:
+        count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken driver or runtime: no GPU to build for
+        return []
+    if count == 0:
+        return []
+    built = [int("".join(re.findall(r"\d+", a.split("_")[1]))) for a in torch.cuda.get_arch_list() if "sm_" in a]
+    newest = max(((sm // 10, sm % 10) for sm in built), default=(99, 9))
+    caps = sorted({min(tuple(torch.cuda.get_device_capability(i)), newest) for i in range(count)})
+    archs = [f"{major}.{minor}" for major, minor in caps]
+    archs[-1] += "+PTX"
+    return archs
+
+
+class CudaPlan(NamedTuple):  # not a dataclass: tools/gpu_budgets.py loads this file outside sys.modules
+    """What one build does about distopt._C_cuda."""
+
+    build: bool  # compile it
+    arch_list: str = ""  # for these architectures (TORCH_CUDA_ARCH_LIST syntax)
+    reason: str = ""  # for what (arch_list's origin), or why not
+
+
+def cuda_plan(local: bool) -> CudaPlan:
+    """Whether this build compiles the CUDA kernels, and for which architectures: `local` for a local
+    build (see "Local builds and wheel builds" above), else a wheel."""
+    mode = _build_cuda_mode()
+    if mode == "0":
+        return CudaPlan(False, reason="DISTOPT_BUILD_CUDA=0")
+    if not cuda_requested():  # raises for DISTOPT_BUILD_CUDA=1
+        return CudaPlan(False, reason="; ".join(cuda_problems()))
+    asked = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if asked and asked != "native":
+        return CudaPlan(True, asked, f"TORCH_CUDA_ARCH_LIST={asked}")
+    if asked == "native" or local:
+        archs = ";".join(visible_gpu_archs())
+        if archs:
+            return CudaPlan(True, archs, f"this machine's GPUs ({archs})")
+        if asked == "native":
+            raise SystemExit("TORCH_CUDA_ARCH_LIST=native, but no GPU is visible")
+        if mode == "auto":
+            return CudaPlan(False, reason="no GPU is visible")
+    return CudaPlan(True, DEFAULT_CUDA_ARCHS, f"every supported GPU ({DEFAULT_CUDA_ARCHS})")
+
+
+# Rough build times on 2 otherwise idle cores (x86-64, GCC 12, nvcc 13.0), for the line a build starts
+# with: distopt._C (3 CPU minutes, 2.4 of them adam_states.cpp, one core's work) and distopt._C_cuda per
+# architecture (13 CPU minutes for 8.0;9.0;10.0+PTX, spread over both cores).
+CPU_BUILD_MINUTES = 3
+CUDA_BUILD_MINUTES_PER_ARCH = 2
+
+
+def plan_line(plan: CudaPlan) -> str:
+    """The one line a build starts with: what it compiles and roughly how long that takes."""
+    cpu = "distopt: building the CPU kernels (distopt._C"
+    if plan.build:
+        n = len([a for a in re.split(r"[;\s]+", plan.arch_list) if a])
+        minutes = CPU_BUILD_MINUTES + CUDA_BUILD_MINUTES_PER_ARCH * n
+        return f"{cpu}) and the CUDA kernels (distopt._C_cuda) for {plan.reason}: about {minutes} min on 2 cores"
+    line = f"{cpu}), about {CPU_BUILD_MINUTES} min on 2 cores; no CUDA kernels: {plan.reason}"
+    if plan.reason == "no GPU is visible":
+        minutes = CUDA_BUILD_MINUTES_PER_ARCH * len(DEFAULT_CUDA_ARCHS.split(";"))
+        line += f" (DISTOPT_BUILD_CUDA=1 builds them for every supported GPU, {minutes} min more)"
+    return line
+
+
+def prepare_environment(with_cuda: bool, arch_list: str = "") -> None:
+    """Sets CUDA_HOME and the arch list (`arch_list`, else TORCH_CUDA_ARCH_LIST or DEFAULT_CUDA_ARCHS)
+    before torch.utils.cpp_extension reads them."""
     home = find_cuda_home()
     if home:
         # Overwrite rather than setdefault: an invalid $CUDA_HOME (find_cuda_home skipped it, e.g. the
         # /usr/local torch guesses from a wrapper nvcc) would otherwise break linking (-lcudart).
         os.environ["CUDA_HOME"] = home
     if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        if arch_list:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+        else:
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     if "torch.utils.cpp_extension" in sys.modules:
         # CUDA_HOME is read when cpp_extension is imported.
         sys.modules["torch.utils.cpp_extension"].CUDA_HOME = os.environ.get("CUDA_HOME") or None
@@ -207,7 +322,7 @@ def cpu_extension_kwargs() -> dict:
         "sources": list(CPU_SOURCES),
         "define_macros": list(STABLE_ABI_MACROS),
         "libraries": list(CPU_LIBRARIES),
-        "extra_compile_args": {"cxx": list(CXX_FLAGS)},
+        "extra_compile_args": {"cxx": CXX_FLAGS + SETUP_CXX_FLAGS},
         "py_limited_api": True,
     }
 
@@ -223,7 +338,7 @@ def cuda_extension_kwargs() -> dict:
         "include_dirs": [str(Path(home) / "include")] if home else [],
         "library_dirs": [str(Path(home) / "lib64")] if home else [],
         "libraries": list(CUDA_LIBRARIES),
-        "extra_compile_args": {"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+        "extra_compile_args": {"cxx": CXX_FLAGS + SETUP_CXX_FLAGS, "nvcc": list(NVCC_FLAGS)},
         "extra_link_args": list(CUDA_LINK_FLAGS),
         "py_limited_api": True,
     }
@@ -240,8 +355,10 @@ def cxx_standard() -> int:
 def write_cmake(path: Path) -> None:
     """Everything CMakeLists.txt needs, as CMake `set()` lines."""
     with_emulated = emulation_requested()
-    with_cuda = cuda_requested()
-    prepare_environment(with_cuda)
+    plan = cuda_plan(local=True)  # a local build (see "Local builds and wheel builds")
+    with_cuda = plan.build
+    prepare_environment(with_cuda, plan.arch_list)
+    print(plan_line(plan), file=sys.stderr)
     import sysconfig
 
     import torch
@@ -301,5 +418,11 @@ def write_cmake(path: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cmake", type=Path, required=True, help="write CMake settings to this file")
-    write_cmake(parser.parse_args().cmake)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--cmake", type=Path, help="write CMake settings to this file")
+    what.add_argument("--plan", action="store_true", help="print what a local build here compiles, in one line")
+    args = parser.parse_args()
+    if args.plan:
+        print(plan_line(cuda_plan(local=True)))
+    else:
+        write_cmake(args.cmake)

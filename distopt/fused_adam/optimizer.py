@@ -333,7 +333,6 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
                 if refusable:
                     return False
                 raise
-        call.accepted(grads)
         views.write_back(staged)
         return True
 

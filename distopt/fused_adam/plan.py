@@ -71,7 +71,7 @@ class Call:
     strides: list[tuple[int, ...]]  # the grads' (the layout of the params' state: kernel_views.py)
     viewed: bool = False  # complex or not dense params, whose kernel lists are built each step (kernel_views.py)
     entries: list[dict[str, Any]] = field(default_factory=list)  # the params' state dicts
-    last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked
+    last_grads: list[Tensor] = field(default_factory=list)  # the grads last checked (in Python)
     # Eager steps: the call's params share one step count, and their step tensors are views of this
     # one tensor, so one add_ counts the step for all (a foreach add over 10,000 CPU scalars takes
     # longer than the update itself).
@@ -100,18 +100,18 @@ class Call:
         return self.checked(list(map(_grad, self.model_params)), checked)
 
     def checked(self, grads: list[Tensor], checked: bool) -> list[Tensor] | None:
-        """`grads` (what the kernel reads), checked (see ``grads``) unless they are those the kernel took
-        last step (``accepted``)."""
+        """`grads` (what the kernel reads), checked (see ``grads``) unless they are those checked last step
+        (accumulated in place, or never zeroed). Only checked grads are remembered: holding the others
+        would keep last step's grads alive until this one, and free them inside it."""
+        if not checked:
+            return grads
         if len(grads) == len(self.last_grads) and all(map(operator.is_, grads, self.last_grads)):
-            return grads  # the same tensors as last step (accumulated in place, or never zeroed)
-        if checked and (any(map(_is_none, grads)) or set(map(_dtype, grads)) != {self.grad_dtype}
-                        or set(map(_layout, grads)) != {torch.strided} or list(map(_stride, grads)) != self.strides):
+            return grads
+        if (any(map(_is_none, grads)) or set(map(_dtype, grads)) != {self.grad_dtype}
+                or set(map(_layout, grads)) != {torch.strided} or list(map(_stride, grads)) != self.strides):
             return None
-        return grads
-
-    def accepted(self, grads: list[Tensor]) -> None:
-        """Records the grads the kernel took, so that the same tensors next step need no check."""
         self.last_grads = grads
+        return grads
 
 
 @dataclass
@@ -263,7 +263,10 @@ class ShardedCall(Call):
     def grads(self, checked: bool) -> list[Tensor] | None:
         if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):
             return None  # a param's shard was replaced (FSDP2 does on model.to(), load_state_dict(assign=True))
-        grads = list(map(_grad, self.model_params))
+        # A DTensor's .grad getter first looks for a __torch_function__ override (a few microseconds a
+        # param); DTensor has none that applies to it, so it is read with subclass overrides disabled.
+        with torch._C.DisableTorchFunctionSubclass():
+            grads = list(map(_grad, self.model_params))
         try:
             specs = list(map(_spec, grads))
         except AttributeError:

@@ -75,7 +75,8 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
 
 BENCH_HOST = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host.py"
 HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local",
-              "fsdp2_kept"}
+              "fsdp2_kept", "loop_1k", "loop_1k_foreach", "loop_1k_keep", "loop_10k", "loop_10k_foreach",
+              "loop_10k_keep", "loop_fsdp2_1k", "loop_fsdp2_1k_foreach", "loop_dfa_1k"}
 
 
 def test_bench_host_quick(tmp_path: Path) -> None:
@@ -93,6 +94,7 @@ def test_bench_host_quick(tmp_path: Path) -> None:
         assert row["ratio_p10"] > 0, row
         assert row["max_abs_diff"] < 1e-3 and row["reps"] >= 1, row
     assert set(meta["met"]) == HOST_CASES
+    assert set(meta["phases"]) == {"plan", "kernel", "rest", "step"}, meta["phases"]
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "results_host.png").stat().st_size > 0

@@ -75,3 +75,48 @@ def test_a_wheel_without_the_abi3_tag_is_caught(tmp_path, capsys):
     assert check_wheel.main([str(wheel)]) == 1
     err = capsys.readouterr().err
     assert "not tagged abi3" in err and "distopt/_C.abi3.so: 1 undefined torch C++ symbols" in err
+
+
+def nvcc_module(tmp_path: Path, name: str, *gencode: str) -> Path:
+    """A shared library holding a one-line kernel compiled for the given -gencode targets."""
+    import build_config  # on sys.path through check_wheel
+
+    home = build_config.find_cuda_home()
+    if home is None:
+        pytest.skip("needs nvcc")
+    src = tmp_path / "k.cu"
+    src.write_text("__global__ void k(float* x) { x[threadIdx.x] *= 2.f; }\n")
+    out = tmp_path / name
+    flags = ["-shared", "-Xcompiler=-fPIC", *(f"-gencode={g}" for g in gencode)]
+    subprocess.run([f"{home}/bin/nvcc", *flags, str(src), "-o", str(out)], check=True)
+    return out
+
+
+def test_gpu_code_is_read_from_the_fatbin(tmp_path):
+    so = nvcc_module(tmp_path, "_C_cuda.abi3.so",
+                     "arch=compute_80,code=sm_80", "arch=compute_90,code=[sm_90,compute_90]")
+    assert check_wheel.cuda_code(so) == {"sm_80", "sm_90", "compute_90"}
+    assert check_wheel.check_cuda_code(so, "8.0;9.0+PTX") == []
+    problems = check_wheel.check_cuda_code(so, "8.0;9.0;10.0+PTX")
+    assert len(problems) == 1 and "no GPU code for compute_100, sm_100" in problems[0], problems
+
+
+def test_require_cuda_catches_a_wheel_short_of_architectures(tmp_path, capsys):
+    so = nvcc_module(tmp_path, "_C_cuda.abi3.so", "arch=compute_90,code=sm_90")
+    wheel = tmp_path / "distopt-0.1.0-cp310-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.write(so, "distopt/_C_cuda.abi3.so")
+    assert check_wheel.main(["--require-cuda", "--cuda-archs", "9.0", str(wheel)]) == 0
+    assert check_wheel.main(["--require-cuda", str(wheel)]) == 1
+    expected = f"no GPU code for compute_100, sm_100, sm_80 (expected {check_wheel.DEFAULT_CUDA_ARCHS})"
+    assert expected in capsys.readouterr().err
+
+
+def test_require_cuda_catches_a_wheel_without_cuda_kernels(tmp_path, capsys):
+    so = build_so(tmp_path, "_C.abi3.so", GOOD_SOURCE, "-ltorch_cpu")
+    wheel = tmp_path / "distopt-0.1.0-cp310-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.write(so, "distopt/_C.abi3.so")
+    assert check_wheel.main([str(wheel)]) == 0
+    assert check_wheel.main(["--require-cuda", str(wheel)]) == 1
+    assert "holds no distopt._C_cuda" in capsys.readouterr().err
