@@ -53,7 +53,7 @@ $(VENV)/.base:
 # huggingface_hub below 2. ninja and setuptools: the tests build distopt._C_emulated with this torch.
 $(TEST_DEPS): $(VENV)/.base
 	@echo "distopt: installing the test tools and the frameworks the integrations are tested with (about a minute)"
-	$(PIP) ninja setuptools "pytest>=8" hypothesis numpy matplotlib expecttest
+	$(PIP) ninja setuptools "pytest>=8" hypothesis numpy matplotlib expecttest import-linter
 	$(PIP) "transformers>=5.3" "accelerate>=1.1" "lightning>=2.6"
 	# torchao: its AdamW8bit is the 8-bit moment format the low-precision tests compare with
 	$(PIP) "torchao==0.18.0"

@@ -84,7 +84,7 @@ def phases(params: int, warmup: int, reps: int) -> dict[str, float]:
     list), ``rest`` (the remainder of step(): torch.optim's wrapper, the grad scaler's and lr's handling)."""
     import statistics
 
-    import distopt.fused_adam as fused_adam
+    import distopt.fused_adam.optimizer as fused_adam
 
     model = linear_stack(params)
     opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)

@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._state_dicts import load_with_hooks, state_dict_with_hooks
-from ._validation import is_dense
 from .distributed.agreement import check_ranks_agree
 from .distributed.optimizer import DistributedFusedAdam
 from .fused_adam import FusedAdam
+from .state_dicts import load_with_hooks, state_dict_with_hooks
+from .validation import is_dense
 
 _CHECKS = 4  # steps, averaged-state elements, L1 and L2 checksums of the global copy
 _HOOKS = ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post")

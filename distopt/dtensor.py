@@ -3,7 +3,7 @@ the edges.
 
 The fused kernels are elementwise, so they run unchanged on each param's local shard
 (``DTensor._local_tensor``, what ``to_local()`` returns under ``no_grad``). The step plan holds those
-local tensors (distopt/_step_plan.py), so a steady-state step performs no DTensor dispatch. The state
+local tensors (distopt/fused_adam/plan.py), so a steady-state step performs no DTensor dispatch. The state
 is made on the local shard and exposed as a DTensor with the param's mesh, placements, global shape
 and stride (``like_param``): ``opt.state[p]["exp_avg"]`` is what torch.optim.AdamW would hold, and
 torch's ``get_optimizer_state_dict``, ``set_optimizer_state_dict`` and ``torch.distributed.checkpoint``
@@ -41,8 +41,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from . import ops
-from ._kernel_views import norm_view
-from ._validation import is_dense
+from .kernel_views import norm_view
+from .validation import is_dense
 
 try:  # private: FSDP over a tensor-parallel dimension shards with it
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._kernel_views import layout_strides
+from .kernel_views import layout_strides
 
 HOST = torch.device("cpu")
 

@@ -204,9 +204,9 @@ def adam_step_(
       counted from the entry's first element in memory order (the order every list is walked in: the
       logical order for contiguous entries). A value is read as ``map[code] * absmax`` and stored as
       the code nearest to ``value * (1 / absmax)`` (the new absmax: the block's largest magnitude). The
-      scales lists are empty for the other formats. ``state_formats.quantize_blockwise`` and
-      ``state_formats.dequantize_blockwise`` convert to and from fp32 with the kernel's arithmetic, bit for
-      bit (for checkpoints); ``state_formats.dynamic_map`` is the map.
+      scales lists are empty for the other formats. ``lowprec.codecs.quantize_blockwise`` and
+      ``lowprec.codecs.dequantize_blockwise`` convert to and from fp32 with the kernel's arithmetic, bit for
+      bit (for checkpoints); ``lowprec.codecs.dynamic_map`` is the map.
 
     An entry that is a slice of a larger param (a shard) must start at a multiple of 256 elements of the
     param for its 8-bit blocks to be the param's blocks: with 8-bit moments, ``param_offsets`` must be

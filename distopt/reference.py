@@ -3,7 +3,7 @@
 Signatures match the op schemas in ``ops.py``. The Adam update and the norms are computed in float64
 and rounded once into each output; scaling and casting compute the same fp32 product as the kernels,
 so they match them bit for bit. Low-precision moments are read and stored with the kernels' own
-arithmetic (``state_formats.py``): only the update between them is float64. Nothing here synchronises
+arithmetic (``lowprec/codecs.py``): only the update between them is float64. Nothing here synchronises
 with the host: the skip flag is applied with ``torch.where``, so a skipped update rewrites every output
 with its old bits.
 """
@@ -15,9 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import state_formats as sf
-
-_INT16_MASK = 0xFFFF
+from .lowprec import codecs
+from .lowprec.codecs import join_bf16_remainder, split_bf16_remainder  # (the op tests find them here too)
 
 
 def _skip_mask(found_inf: Tensor | None, device: torch.device) -> Tensor:
@@ -29,26 +28,6 @@ def _skip_mask(found_inf: Tensor | None, device: torch.device) -> Tensor:
 def _write(dst: Tensor, value: Tensor, skip: Tensor) -> None:
     """dst = value (cast to dst's dtype), unless skip: then dst keeps its bits."""
     dst.copy_(torch.where(skip, dst, value.to(dst.dtype)))
-
-
-def join_bf16_remainder(hi: Tensor, lo: Tensor) -> Tensor:
-    """fp32 values from bf16 high halves and int16 low halves (see csrc/math/adam.h)."""
-    hi_bits = hi.view(torch.int16).to(torch.int64) & _INT16_MASK
-    lo64 = lo.to(torch.int64)
-    hi_bits = (hi_bits - (lo64 < 0).to(torch.int64)) & _INT16_MASK
-    bits = (hi_bits << 16) | (lo64 & _INT16_MASK)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def split_bf16_remainder(x: Tensor) -> tuple[Tensor, Tensor]:
-    """bf16 high halves (rounded half away from zero in magnitude) and int16 low halves of fp32 x."""
-    bits = x.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    lo = bits & _INT16_MASK
-    lo_signed = torch.where(lo >= 2**15, lo - 2**16, lo)
-    hi = ((bits >> 16) + (lo_signed < 0).to(torch.int64)) & _INT16_MASK
-    hi_signed = torch.where(hi >= 2**15, hi - 2**16, hi)
-    return hi_signed.to(torch.int16).view(torch.bfloat16), lo_signed.to(torch.int16)
 
 
 def _memory_order(t: Tensor) -> Tensor:
@@ -63,7 +42,7 @@ def _memory_order(t: Tensor) -> Tensor:
 
 def _read_moment(x: Tensor, scales: Sequence[Tensor], i: int, signed: bool) -> Tensor:
     if x.dtype == torch.uint8:
-        return sf.dequantize_blockwise(x, scales[i], signed).double()
+        return codecs.dequantize_blockwise(x, scales[i], signed).double()
     return x.double()
 
 
@@ -71,11 +50,11 @@ def _write_moment(x: Tensor, scales: Sequence[Tensor], i: int, value: Tensor, si
                   random: Tensor | None) -> None:
     """Stores the fp32 ``value`` in ``x``'s format (8-bit: codes and scales[i]), unless skip."""
     if x.dtype == torch.uint8:
-        codes, absmax = sf.quantize_blockwise(value, signed)
+        codes, absmax = codecs.quantize_blockwise(value, signed)
         _write(x, codes.view(x.shape), skip)
         _write(scales[i], absmax, skip)
     elif x.dtype == torch.bfloat16 and random is not None:
-        _write(x, sf.bf16_stochastic(value, random), skip)
+        _write(x, codecs.bf16_stochastic(value, random), skip)
     else:
         _write(x, value, skip)
 
@@ -99,7 +78,7 @@ def _adam(
     maximize: bool,
     exp_avg_scales: Sequence[Tensor] = (),
     exp_avg_sq_scales: Sequence[Tensor] = (),
-    rounding: sf.RoundingKeys | None = None,
+    rounding: codecs.RoundingKeys | None = None,
 ) -> None:
     if not params:
         return
@@ -142,7 +121,7 @@ def _adam(
             _write(p, hi, skip)
             _write(param_remainders[i], lo, skip)
         elif p.dtype == torch.bfloat16 and words is not None:
-            p64 = sf.bf16_stochastic(p64.float(), words[0]).double()  # param_outs get the rounded value
+            p64 = codecs.bf16_stochastic(p64.float(), words[0]).double()  # param_outs get the rounded value
             _write(p, p64, skip)
         else:
             _write(p, p64, skip)
@@ -180,7 +159,7 @@ def adam_step_(
     if rounding_seed is not None:
         if len(param_ids) != len(params):
             raise ValueError(f"stochastic rounding (a rounding seed) needs param_ids: one id per param ({len(params)})")
-        rounding = sf.RoundingKeys(rounding_seed, list(param_ids), list(param_offsets) or [0] * len(params))
+        rounding = codecs.RoundingKeys(rounding_seed, list(param_ids), list(param_offsets) or [0] * len(params))
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
           weight_decay, per_param, adam_w_mode, grad_scale, found_inf, maximize, exp_avg_scales,
           exp_avg_sq_scales, rounding)

@@ -3,26 +3,24 @@
 The layout is planned on each rank from its own params, and rank 0's packing order is broadcast as
 indices into every rank's param list; the collectives then assume identical buckets everywhere. A rank
 with another param order, another model or other options would diverge silently or abort gloo with a
-size mismatch. ``check(opt)`` compares a fingerprint of everything that shapes the collectives or the
-update across the ranks, once per layout, and makes every rank raise the same ValueError naming the
-first difference.
+size mismatch. ``check(runtime, param_groups, options)`` compares a fingerprint of everything that
+shapes the collectives or the update across the ranks, once per layout, and makes every rank raise the
+same ValueError naming the first difference.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .comm import Comm
+from .runtime import ShardRuntime
 from .tensor_parallel import layout_text
-
-if TYPE_CHECKING:
-    from .optimizer import DistributedFusedAdam
 
 Entry = tuple[str, str]
 
@@ -60,12 +58,13 @@ def _float(value: Any) -> str:
     return repr(value.item() if isinstance(value, Tensor) else float(value))
 
 
-def fingerprint(opt: DistributedFusedAdam) -> list[Entry]:
-    """(description, value) entries for what must agree across ranks: group sizes, options, each param
-    group's hyperparameters and size, each trainable param's shape, dtype, strides and sync dtypes, and
-    a DTensor param's layout and local shape (its tensor-parallel rank's part, which the buckets hold)."""
-    comm = opt.comm
-    mp = opt.model_parallel_process_group
+def fingerprint(rt: ShardRuntime, param_groups: list[dict[str, Any]], options: dict[str, Any]) -> list[Entry]:
+    """(description, value) entries for what must agree across ranks: group sizes, the constructor
+    `options` (``OPTIONS``: name -> value), each param group's hyperparameters and size, each trainable
+    param's shape, dtype, strides and sync dtypes, and a DTensor param's layout and local shape (its
+    tensor-parallel rank's part, which the buckets hold)."""
+    comm = rt.comm
+    mp = rt.model_parallel_group
     entries: list[Entry] = [
         ("data-parallel group size", str(dist.get_world_size(comm.process_group))),
         ("shard group size", str(comm.dist_size)),
@@ -73,10 +72,10 @@ def fingerprint(opt: DistributedFusedAdam) -> list[Entry]:
         ("model-parallel group size", str(dist.get_world_size(mp) if mp is not None else 1)),
     ]
     for name in OPTIONS:
-        value = getattr(opt, name)
+        value = options[name]
         entries.append((f"option {name}", _float(value) if name == "bucket_cap_mb" else _describe(value)))
 
-    for gi, group in enumerate(opt.param_groups):
+    for gi, group in enumerate(param_groups):
         where = f"param group {gi}"
         entries += [
             (f"{where} lr", _float(group["lr"])),  # a capturable lr is a GPU tensor: one .item() per layout
@@ -87,25 +86,25 @@ def fingerprint(opt: DistributedFusedAdam) -> list[Entry]:
         ]
         for key in sorted(k for k in group if k != "params" and k not in _HYPERPARAMETERS):
             entries.append((f"{where} {key}", _describe(group[key])))
-        entries.append((f"{where} trainable params", str(sum(p in opt._index for p in group["params"]))))
+        entries.append((f"{where} trainable params", str(sum(p in rt.index for p in group["params"]))))
 
-    # opt._params order (param-group order, trainable only), named as the user finds them in param_groups.
-    for gi, group in enumerate(opt.param_groups):
+    # rt.params order (param-group order, trainable only), named as the user finds them in param_groups.
+    for gi, group in enumerate(param_groups):
         for j, p in enumerate(group["params"]):
-            if p not in opt._index:
+            if p not in rt.index:
                 continue  # frozen at construction: not synchronised, so it may differ
-            where = f"param {opt._index[p]} (group {gi}, index {j})"
+            where = f"param {rt.index[p]} (group {gi}, index {j})"
             entries += [
                 (f"{where} shape", _describe(tuple(p.shape))),
                 (f"{where} dtype", str(p.dtype)),
                 (f"{where} strides", _describe(p.stride())),
                 (f"{where} requires_grad", str(p.requires_grad)),
-                (f"{where} grad sync dtype", str(opt._grad_dtype(p))),
-                (f"{where} param sync dtype", str(opt._param_dtype(p))),
+                (f"{where} grad sync dtype", str(rt.grad_dtype(p))),
+                (f"{where} param sync dtype", str(rt.param_dtype(p))),
             ]
             layout = layout_text(p)
             if layout is not None:
-                t = opt._tensors[opt._index[p]]
+                t = rt.tensors[rt.index[p]]
                 entries += [(f"{where} layout", layout), (f"{where} local shape", _describe(tuple(t.shape))),
                             (f"{where} local strides", _describe(t.stride()))]
     return entries
@@ -175,19 +174,9 @@ def _by_value(values: list[str], ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
-def raise_together(group: dist.ProcessGroup | None, error: str | None, headline: str,
-                   kind: type[Exception] = ValueError) -> None:
-    """Raises the same `kind` of error on every rank of `group` if any rank found an error (a collective)."""
-    errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = [r for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise kind(f"{headline}: {errors[failed[0]]} (found on rank(s) {failed} of the process group)")
-
-
-def check(opt: DistributedFusedAdam) -> None:
-    """check_ranks_agree(fingerprint(opt)) over the optimizer's data-parallel group, on its device."""
-    check_ranks_agree(fingerprint(opt), opt.comm.process_group, opt.device)
+def check(rt: ShardRuntime, param_groups: list[dict[str, Any]], options: dict[str, Any]) -> None:
+    """check_ranks_agree(fingerprint(...)) over the optimizer's data-parallel group, on its device."""
+    check_ranks_agree(fingerprint(rt, param_groups, options), rt.comm.process_group, rt.device)
 
 
 def check_iteration(comm: Comm, device: torch.device, dropped: bool) -> None:

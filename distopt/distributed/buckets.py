@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..moment_formats import from_float32, to_float32, zeros
+from ..lowprec.codecs import join_bf16_remainder, split_bf16_remainder
+from ..lowprec.formats import from_float32, to_float32, zeros
 from ..offload import HostTransfers, Landing
-from ..reference import join_bf16_remainder, split_bf16_remainder
 from .comm import Comm, Handle
 from .layout import Bucket, Fragment, Piece
 
@@ -390,6 +390,23 @@ class BucketRuntime:
         local = self.param_buffer[self.lo : self.hi]
         masters = join_bf16_remainder(local, s.remainders) if s.remainders is not None else local.float()
         return masters, m, v
+
+    def fragment_master(self, f: Fragment, params: list[Tensor], pending: bool = False) -> Tensor:
+        """The fp32 master values of fragment `f` of this bucket (1-D, the param's memory order): a view of
+        the stored master, of an fp32 model param that is its own master, or of this rank's slice of the
+        param buffer; a fresh tensor where a 16-bit param is widened or joined with its remainders.
+        `pending`: the bucket's updated slice has not been all-gathered into the model yet
+        (overlap_param_sync), so the param buffer, not the model param, holds the current value."""
+        s = self.state
+        if s.master is not None:
+            return s.master[f.shard_offset : f.shard_offset + f.numel]
+        if pending and self.param_buffer is not None:
+            values = self.param_buffer[self.lo + f.shard_offset : self.lo + f.shard_offset + f.numel]
+        else:
+            values = flat(params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
+        if s.remainders is not None:
+            return join_bf16_remainder(values, s.remainders[f.shard_offset : f.shard_offset + f.numel])
+        return values.float()  # no copy for fp32
 
     def write_state(self, masters: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
         """Replaces this rank's shard state and its param-buffer slice (16-bit params and remainders

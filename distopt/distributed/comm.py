@@ -185,3 +185,13 @@ class Comm:
         with named("broadcast of rank 0's bucket layout"):
             dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         return t.tolist()
+
+
+def raise_together(group: dist.ProcessGroup | None, error: str | None, headline: str,
+                   kind: type[Exception] = ValueError) -> None:
+    """Raises the same `kind` of error on every rank of `group` if any rank found an error (a collective)."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise kind(f"{headline}: {errors[failed[0]]} (found on rank(s) {failed} of the process group)")

@@ -10,7 +10,7 @@ may give a group a coarser alignment (8-bit optimizer state: 256-element quantis
 then also rounds its buckets' capacity and shards, so that no aligned block straddles two shards.
 
 Nothing here touches tensors: the layout is plain data, tested property-by-property in
-tests/test_layout.py.
+tests/distributed/test_layout.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """DistributedFusedAdam's low-precision moments: ``exp_avg_dtype``, ``exp_avg_sq_dtype`` and
-``stochastic_rounding`` (distopt/moment_formats.py holds the options and the per-param rule it shares
+``stochastic_rounding`` (distopt/lowprec/formats.py holds the options and the per-param rule it shares
 with FusedAdam).
 
 Sharding invariance. A param's moment formats are decided on its global size and are part of its
@@ -12,12 +12,12 @@ param's position in ``param_groups`` order) and its first element's offset in th
 rounding's key (seed, step, param id, element index) does not depend on the sharding either. Without
 low-precision moments or stochastic rounding nothing here changes the fp32 layout or kernel calls.
 
-The rounding seed is ``group["rounding_seed"]`` (as FusedAdam's, drawn by ``moment_formats.draw_seed``
+The rounding seed is ``group["rounding_seed"]`` (as FusedAdam's, drawn by ``lowprec.formats.draw_seed``
 at construction and saved in state dicts); when the layout is built every rank takes rank 0's.
 
-``state_dict()``/``load_state_dict()`` (moment_checkpoint.py), the sharded form for
-torch.distributed.checkpoint (``state_dict(sharded=True)``, dcp_sharded.py) and distopt's own sharded
-files (``checkpoint.save``/``load``, sharded_files.py) hold the moments in their formats.
+``state_dict()``/``load_state_dict()`` (checkpoint/moments.py), the sharded form for
+torch.distributed.checkpoint (``state_dict(sharded=True)``, checkpoint/dcp_state.py) and distopt's own
+sharded files (``checkpoint.save``/``load``, checkpoint/file_format.py) hold the moments in their formats.
 ``opt.state`` shows the stored moments (bf16 values, or 8-bit codes: their absmax scales are in the
 state dict).
 
@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..moment_formats import SEED_KEY, MomentFormats, num_blocks
-from ..state_formats import QUANT_BLOCK
+from ..lowprec.codecs import QUANT_BLOCK
+from ..lowprec.formats import SEED_KEY, MomentFormats, num_blocks
 from .buckets import shard_runs
 from .comm import Comm
 from .layout import DEFAULT_ALIGN, Fragment

@@ -1,4 +1,10 @@
-"""DistributedFusedAdam: ZeRO-2 Adam/AdamW (sharded gradients and optimizer state) on torch.distributed."""
+"""DistributedFusedAdam: ZeRO-2 Adam/AdamW (sharded gradients and optimizer state) on torch.distributed.
+
+The class holds the options and the public methods (torch.optim's, apex's) and delegates. What it shards
+lives in runtime.py's ShardRuntime (params, layout, buckets, gradient and param sync, step counter),
+which update.py (the fused update), state_view.py (``opt.state``) and agreement.py (the ranks' check)
+take; checkpoints (checkpoint/) see this class only through its ShardedOptimizer methods below.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import ops
-from .._state_dicts import load_with_hooks, state_dict_with_hooks
-from .._validation import (
-    check_adam_hyperparameters,
-    check_param_tensors,
-    check_unique_params,
-    reconcile_weight_decay_switch,
-)
 from ..grad_scaling import GradScaling
-from ..offload import HOST, HostTransfers
-from . import agreement, checkpoint, tensor_parallel, torch_compat, update
-from .buckets import BucketRuntime, ShardState, flat
+from ..state_dicts import load_with_hooks, state_dict_with_hooks
+from ..validation import check_adam_hyperparameters, reconcile_weight_decay_switch
+from . import agreement, checkpoint, torch_compat, update
+from .buckets import BucketRuntime
 from .comm import Comm
-from .grad_sync import GradSync
-from .layout import DEFAULT_ALIGN, Layout, padding_advice, plan_segments
 from .moments import ShardMoments
-from .options import Storage, check_options, check_param_dtypes
-from .packing import Packing
-from .param_sync import ParamSync
+from .options import Storage, check_options
+from .runtime import ShardRuntime
 from .state_view import StateView, memory_report
 
 # GradScaler.step passes itself to our step(grad_scaler=...) and warns that it will stop doing so; its
@@ -76,22 +72,29 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         per-step allocation); under no_sync() param.grad is then a view of its bucket.
       contiguous_param_buffer=False: make every param a view of a persistent bucket buffer, so the
         all-gather writes the model params directly (needs param_sync_dtype == param dtype).
-      store_params=None: fp32 masters of this rank's shard where needed: params not fp32 or synchronised
-        in another dtype (an fp32 model synced in fp32 is its own master, read back each step). True keeps
-        them for every param (apex's default); False never (16-bit params updated directly, losing updates
-        below their precision; needs param_sync_dtype equal to the param dtype).
+      store_params=None: keep an fp32 master copy of this rank's shard of params where one is needed:
+        for params that are not fp32 or are synchronised in another dtype. An fp32 model synchronised in
+        fp32 is its own master (its shard is read back from the params each step), so sharding saves
+        the most. True keeps masters for every param (apex's default); False never does (16-bit params
+        are then updated directly, losing updates below their precision; needs param_sync_dtype equal
+        to the param dtype).
       store_param_remainders=False: for bf16 params synchronised in bf16, keep only the int16 low
         halves of the fp32 masters (the bf16 params are the high halves): fp32-exact updates for 2
         bytes per element. Other params in the same model follow store_params.
-      capturable=False: True keeps lr (``group["lr"]``: a float32 GPU tensor schedulers update in place),
-        the step count, the inf/nan flag and the unscale/clip factors on the GPU with no host sync, so a
-        whole training step (backward with its reduce-scatters, unscale, clip, step, all-gather) can be
-        captured in one CUDA graph. CUDA only. With overlap_param_sync the param buffers stay allocated.
-      offload_optimizer=False: this rank's fp32 masters, moments and grad shard in host memory (pinned
-        for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard goes to the host as its
-        reduce-scatter lands, the fused CPU kernel updates it, the new param slice comes back for the
-        all-gather; the device holds only the model, grads in flight and sync buffers. The same bits and
-        state dicts as store_params=True; not with capturable, store_params=False or remainders.
+      capturable=False: True keeps lr (``group["lr"]`` becomes a float32 GPU tensor that schedulers
+        update in place), the step count, the inf/nan flag and the unscale/clip factors on the GPU,
+        with no host synchronisation anywhere, so a whole training step (backward with its
+        reduce-scatters, unscale, clip, step, all-gather) can be captured in one CUDA graph. CUDA only.
+        With overlap_param_sync the param buffers then stay allocated between steps (the graph's
+        forward gathers what its step wrote).
+      offload_optimizer=False: keep this rank's fp32 masters, moments and grad shard in host memory
+        (pinned for GPU params), as DeepSpeed's ZeRO-Offload: each reduced grad shard is copied to the
+        host as its reduce-scatter lands (overlapping the rest of backward), the fused CPU kernel
+        updates the shard, and the new param slice is copied back for the all-gather. Device memory
+        then holds only the model, its grads in flight and the sync buffers. Same numbers as
+        store_params=True without offload (the CPU and GPU kernels compute the same bits); same state
+        dicts. Not with capturable (a CUDA graph cannot hold the host update), store_params=False or
+        store_param_remainders (both drop the masters the host update needs).
       exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32, stochastic_rounding=False: the
         moments' storage and bf16 rounding, as FusedAdam's (bf16; torch.uint8: 8-bit blockwise, params
         under 4,096 elements keep fp32), the same bits at every world size and bucket size (moments.py).
@@ -99,19 +102,25 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
     Loss scaling and clipping (see distopt/grad_scaling.py) are folded into the update: ``grad_norm()``,
     ``clip_grad_norm(max_norm)`` and ``unscale_grads(grad_scaler)`` never touch the gradients
     themselves. With the stock ``torch.amp.GradScaler``, ``scaler.step(opt)`` passes itself to
-    ``step(grad_scaler=...)`` (torch's FutureWarning on that keyword is silenced: its replacement cannot
-    carry the inf flag); a step whose gradients hold inf/nan on any rank changes nothing on every rank,
-    and ``scaler.update()`` backs off (without ``capturable`` the flag is read on the host once).
+    ``step(grad_scaler=...)``; a step whose gradients hold inf/nan on any rank changes nothing on
+    every rank, and ``scaler.update()`` backs off. (torch marks that keyword deprecated in favour of
+    attributes that cannot carry the inf flag of gradients it never sees; its FutureWarning is
+    silenced for this optimizer.) Without ``capturable``, a step with a scaler reads the inf flag on
+    the host once.
 
-    Unlike torch.optim.AdamW, every trainable param is updated each step: one with no gradient on any
-    rank gets a zero gradient (as in FSDP and apex). Params with requires_grad=False are not updated.
+    Unlike torch.optim.AdamW, which skips params whose .grad is None, every trainable param is
+    updated each step: a param that got no gradient on any rank gets a zero gradient (weight decay
+    and momentum still apply), as in FSDP and apex. Params with requires_grad=False are not updated.
 
     ``opt.state`` (state_view.py) is a read-only view of what this rank holds, built on access with no
-    communication; every trainable param has an entry from construction on (torch's ``get_state_dict``
-    never takes its zero-grad step): ``step`` (float32 scalar; with capturable, the live GPU counter),
-    ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D tensors of this rank's elements in memory
-    order, empty where it holds none; views of the shard where it holds those values, else copies. Writes
-    that would change nothing raise. Frozen params read as {}. Not deep-copyable: use ``state_dict()``.
+    communication. Every trainable param has an entry from construction on (so torch's
+    ``get_state_dict`` never takes its initialising zero-grad step): ``step`` (float32 scalar; with
+    capturable, the live GPU counter) and ``exp_avg``, ``exp_avg_sq``, ``param`` (fp32 master): 1-D fp32
+    tensors of this rank's elements of the param in its memory order, empty where it holds none (or
+    before the layout is built); views of the shard where it holds those values, else copies (``step``; a
+    param split over buckets; ``param`` of 16-bit params without stored masters). Writes that would
+    change nothing raise: in place to a copy, assigning keys. Frozen params read as {}. torch.optim's
+    hooks fire as on torch's optimizers. It cannot be deep-copied or pickled: use ``state_dict()``.
     """
 
     def __init__(
@@ -161,8 +170,6 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.capturable = capturable  # add_param_group checks groups against it
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **options,
                                       **self._moments.defaults()))
-        self.state = StateView(self)  # replaces torch's defaultdict: see the class docstring
-
         self.comm = Comm(process_group, distributed_process_group, redundant_process_group)
         self.grad_sync_dtype = grad_sync_dtype
         self.param_sync_dtype = param_sync_dtype
@@ -176,62 +183,29 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders
         self.store_params = store_params
         self.offload_optimizer = offload_optimizer
-
-        # The trainable params, in param-group order; their index here names them everywhere.
-        self._params: list[Tensor] = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        self._group_of: list[int] = [i for i, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
-        self._index = {p: i for i, p in enumerate(self._params)}
-        self._tensors = tensor_parallel.LocalTensors(self._params)  # what the buckets hold: DTensors' local parts
-        self._packing = Packing(self._params, grad_sync_dtype, param_sync_dtype)  # init_params declarations
-        self._check_params()
-        tensor_parallel.check_params(self._params, self.comm, model_parallel_process_group)
         self.model_parallel_process_group = model_parallel_process_group
-        self._norm = tensor_parallel.ShardNorm(self._params, self.comm, model_parallel_process_group)
-        if capturable and self.device.type != "cuda":
-            raise ValueError(f"capturable=True is for CUDA-graph capture: params must be on a CUDA device, "
-                             f"not {self.device}")
+
+        # The sharded state: params, layout, buckets, synchronisation, step counter (runtime.py).
+        self._runtime = ShardRuntime(
+            self.param_groups, self.comm, self._storage, self._moments, grad_sync_dtype=grad_sync_dtype,
+            param_sync_dtype=param_sync_dtype, model_parallel_group=model_parallel_process_group,
+            average_grad_sync=average_grad_sync, overlap_grad_sync=overlap_grad_sync,
+            overlap_param_sync=overlap_param_sync, pipeline_size=pipeline_size,
+            contiguous_grad_buffer=contiguous_grad_buffer, contiguous_param_buffer=contiguous_param_buffer,
+            capturable=capturable)
+        self.device = self._runtime.device
+        self.state_device = self._runtime.state_device  # where the shard state lives (the host, with offload)
+        self.state = StateView(self._runtime)  # replaces torch's defaultdict: see the class docstring
         if capturable:
             for g in self.param_groups:
                 g["lr"] = torch.as_tensor(g["lr"], dtype=torch.float32).to(self.device)
-        self._transfers = HostTransfers(self.device) if offload_optimizer else None
-        self.state_device = HOST if offload_optimizer else self.device  # where the shard state lives
         self._init_grad_scaling(self.device)
-        self._step_count = 0
-        self._step_tensor = torch.zeros((), dtype=torch.float32, device=self.device)  # capturable step count
         self._graph_lrs: list[Tensor] | None = None  # the lr tensors a captured CUDA graph reads
-        self._layout: Layout | None = None
-        self._layout_numels: list[int] = []  # each param's size when the layout was built
-        self._buckets: list[BucketRuntime] = []
-        self._grads = GradSync(self.comm, self._params, overlap_grad_sync, pipeline_size, contiguous_grad_buffer,
-                               average_grad_sync, self._tensors)
-        # Built now, so that with overlap_param_sync it watches the first forward (see its Note).
-        self._param_sync = ParamSync(self.comm, self._params, overlap_param_sync, self._tensors)
-        if overlap_param_sync:  # check_fresh does nothing otherwise: no call per param
-            self._grads.on_grad = self._param_sync.check_fresh
 
     # ------------------------------------------------------------------ setup
 
-    def _check_params(self) -> None:
-        check_unique_params([p for g in self.param_groups for p in g["params"]])
-        if not self._params:
-            raise ValueError("DistributedFusedAdam got no trainable params (all have requires_grad=False)")
-        self.device = check_param_tensors(self._tensors, "DistributedFusedAdam")
-        expected = self.comm.device_type()
-        if expected is not None and self.device.type != expected:
-            raise ValueError(f"params are on {self.device} but the process group's backend ({self.comm.backend}) "
-                             f"communicates {expected} tensors")
-        dtypes = [(self._param_dtype(p), p.dtype) for p in self._params]
-        check_param_dtypes(dtypes, self._storage, self.contiguous_param_buffer)
-        self._moments.check_params(self._params, dtypes, self._storage)
-
-    def _grad_dtype(self, p: Tensor) -> torch.dtype:
-        return self._packing.grad_dtype(p)
-
-    def _param_dtype(self, p: Tensor) -> torch.dtype:
-        return self._packing.param_dtype(p)
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "_params"):  # set once the constructor's own groups are in
+        if hasattr(self, "_runtime"):  # set once the constructor's own groups are in
             raise RuntimeError("DistributedFusedAdam cannot add param groups after construction: "
                                "the bucket layout covers the params it was built with")
         index = len(self.param_groups)
@@ -264,83 +238,41 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
 
     def _declare(self, params: Iterable[Tensor] | None, grad_sync_dtype: torch.dtype | None,
                  param_sync_dtype: torch.dtype | None, fresh: bool) -> None:
-        if self._layout is not None:
+        if self._runtime.layout is not None:
             raise RuntimeError("init_params: the bucket layout is already built (the first backward or step builds "
                                "it): lay params out before that")
         params_are_masters = self.store_params is False or self.contiguous_param_buffer
-        if self._packing.declare(params, grad_sync_dtype, param_sync_dtype, fresh, params_are_masters):
+        if self._runtime.packing.declare(params, grad_sync_dtype, param_sync_dtype, fresh, params_are_masters):
             self._build_layout()
 
     def _build_layout(self) -> None:
-        segments = self._packing.segments(self._grads.arrival)
+        """Builds the bucket layout once every rank has the same rounding seeds and agrees it was
+        constructed alike (agreement.py): its collectives assume identical buckets everywhere."""
+        rt = self._runtime
         self._moments.agree_seeds(self.param_groups, self.comm, self.device)  # before agreement compares them
-        agreement.check(self)
-        # Every rank must pack identically: take rank 0's plan (backward order may differ by rank).
-        segments = Packing.agreed(segments, self.comm, self.device)
-        keys = [(self._grad_dtype(p), self._param_dtype(p), p.dtype, *self._moments.group_key(p)) for p in self._params]
-        aligns = self._moments.aligns(keys)  # 8-bit blocks never straddle shards (moments.py)
-        elem = max(torch.empty((), dtype=k[0]).element_size() for k in keys)
-        bucket_numel = int(self.bucket_cap_mb * 2**20) // elem
-        if self.contiguous_param_buffer or self.contiguous_grad_buffer:
-            # Params become views of one bucket: never split one (the planner rounds capacity down
-            # to whole shard units, so round the largest param up to one).
-            unit = self.comm.dist_size * max([DEFAULT_ALIGN, *aligns.values()])
-            bucket_numel = max(bucket_numel, -(-max(p.numel() for p in self._tensors) // unit) * unit)
-        numels = [p.numel() for p in self._tensors]
-        self._layout = plan_segments(segments, numels, keys, self.comm.dist_size, bucket_numel, aligns=aligns)
-        self._layout_numels = numels
-        if self._layout.utilization() < 0.5:
-            warnings.warn(f"DistributedFusedAdam: {padding_advice(self._layout, numels, bucket_numel)}", stacklevel=3)
-        self._create_buckets()
-
-    def _create_buckets(self) -> None:
-        rank = self.comm.dist_rank
-        for index, spec in enumerate(self._layout.buckets):
-            grad_dtype, param_dtype, model_dtype = spec.group[:3]
-            b = BucketRuntime(index, spec, self._layout.fragments(rank, index), rank, self.device, grad_dtype,
-                              param_dtype, self.contiguous_grad_buffer, self.contiguous_param_buffer,
-                              keep_param_buffer=self.capturable and self.overlap_param_sync, local=self.comm.local,
-                              transfers=self._transfers)
-            b.state = ShardState.zeros(spec.shard_numel, self.device,
-                                       master=self._storage.master(param_dtype, model_dtype),
-                                       remainders=self._storage.remainders(param_dtype, model_dtype),
-                                       host=self._transfers, moments=ShardMoments.moment_dtypes(spec.group))
-            if b.state.master is not None:
-                srcs = [flat(self._tensors[f.param].detach())[f.param_offset : f.param_offset + f.numel]
-                        for f in b.fragments]
-                dsts = [b.state.master[f.shard_offset : f.shard_offset + f.numel] for f in b.fragments]
-                if self._transfers is not None:  # to the host: once, at layout time
-                    for src, dst in zip(srcs, dsts):
-                        dst.copy_(src)
-                else:
-                    ops.cast_copy_(srcs, dsts)
-            if self.contiguous_param_buffer:
-                b.bind_params(self._tensors)
-            b.runs = self._moments.runs(b.fragments, spec.shard_numel, self._group_of)
-            self._buckets.append(b)
-        self._grads.attach(self._layout, self._buckets)
-        self._param_sync.attach(self._layout, self._buckets)
+        agreement.check(rt, self.param_groups, {name: getattr(self, name) for name in agreement.OPTIONS})
+        rt.build_layout(self.bucket_cap_mb)
 
     # ------------------------------------------------------------------ gradients
 
     def grad_sync(self) -> None:
         """Finishes gradient synchronisation: starts the reduce-scatters backward did not (in bucket
         order, with zeros for params that got no grad), then waits for all of them."""
-        if self._grads.in_no_sync:
+        if self._runtime.grads.in_no_sync:
             raise RuntimeError("grad_sync() inside no_sync(): leave the no_sync() block first")
-        if self._layout is None:
+        if self._runtime.layout is None:
             self._build_layout()
-        if self._grads.sync():
+        if self._runtime.grads.sync():
             self._agree_on_iteration(dropped=False)
 
     def no_sync(self):
         """Accumulates gradients locally (no communication) for the backward passes inside; the first
         backward after the block synchronises the sum, as DDP.no_sync()."""
-        return self._grads.no_sync()
+        return self._runtime.grads.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops all gradients: model .grad, unsynchronised buckets and reduced shards."""
-        if self._grads.clear():
+        if self._runtime.grads.clear():
             self._agree_on_iteration(dropped=True)
         self._reset_grad_scaling()
 
@@ -357,7 +289,8 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         """Finishes grad sync, updates this rank's shard with one fused kernel per group, then
         all-gathers the params (or leaves that to the next forward with overlap_param_sync).
         `grad_scaler` is passed by ``GradScaler.step``; inf/nan gradients skip the step everywhere."""
-        if self._grads.in_no_sync:
+        rt = self._runtime
+        if rt.grads.in_no_sync:
             raise RuntimeError("step() inside no_sync(): leave the no_sync() block first")
         for g in self.param_groups:  # before the closure's backward starts any reduction
             check_adam_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
@@ -366,11 +299,11 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._tensors.check(self._layout_numels)
+        rt.tensors.check(rt.layout_numels)
         self.param_sync()  # a deferred all-gather must land before the buffers are rewritten
         self._check_capture()
         self.grad_sync()
-        self._grads.zero_stale_shards()
+        rt.grads.zero_stale_shards()
 
         found_inf = None
         if grad_scaler is not None:
@@ -382,30 +315,31 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                 found_inf = self._found_inf
         grad_scale = self.deferred_grad_scale()
         if self.capturable:
-            self._step_tensor.add_(1.0 - found_inf if found_inf is not None else 1.0)
+            rt.step_tensor.add_(1.0 - found_inf if found_inf is not None else 1.0)
         elif found_inf is not None and found_inf.item() != 0:  # every rank reads the same flag
             self._end_step()
             return loss
         else:
-            self._step_count += 1
-        update.update_shards(self, grad_scale, found_inf if self.capturable else None)
+            rt.steps += 1
+        update.update_shards(rt, self.param_groups, grad_scale, found_inf if self.capturable else None,
+                             self._graph_lrs)
         self._end_step()
 
         # capturable: a skipped step must write nothing back into the params
-        self._param_sync.after_step(found_inf if self.capturable else None)
+        rt.param_sync.after_step(found_inf if self.capturable else None)
         return loss
 
     def _end_step(self) -> None:
-        for b in self._buckets:
-            b.state.grad_valid = False
+        self._runtime.end_step()
         self._reset_grad_scaling()
 
     def _check_capture(self) -> None:
         if self.capturable and torch.cuda.is_current_stream_capturing():
-            if self._layout is None:
+            if self._runtime.layout is None:
                 raise RuntimeError("DistributedFusedAdam: run a few eager steps before capturing a CUDA graph: "
                                    "the first step builds the bucket layout and allocates the optimizer state")
-            self._graph_lrs = [update.graph_safe_lr(self, i) for i in range(len(self.param_groups))]
+            self._graph_lrs = [update.graph_safe_lr(self.param_groups, self._graph_lrs, i, self.device)
+                               for i in range(len(self.param_groups))]
         elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("DistributedFusedAdam.step() is being captured in a CUDA graph: construct the "
                                "optimizer with capturable=True (the eager step reads the inf flag on the host)")
@@ -416,21 +350,21 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         # Reductions still in flight (or not started) would change the shards: land them first, so
         # the count of landed reductions names the grads the norm sees.
         self.grad_sync()
-        self._grads.zero_stale_shards()
-        return self._grads.version
+        self._runtime.grads.zero_stale_shards()
+        return self._runtime.grads.version
 
     def _norm_sq_and_flag(self, subset: frozenset[int] | None = None) -> Tensor:
         """[sum of squares, inf/nan count] of the whole model's reduced grad shards (tensor_parallel.py)."""
-        return self._norm(self._buckets, subset, self.state_device, self.device)
+        return self._runtime.norm_sq_and_flag(subset)
 
     def _norm_index(self) -> dict[Tensor, int]:
-        return self._index
+        return self._runtime.index
 
     # ------------------------------------------------------------------ param sync
 
     def param_sync(self) -> None:
         """Finishes every deferred param all-gather (overlap_param_sync)."""
-        self._param_sync.finish()
+        self._runtime.param_sync.finish()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -440,7 +374,7 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
         and loadable by torch.optim.AdamW. Every rank must call it (it all-gathers bucket by bucket);
         with `gather_on_rank0` only rank 0 assembles it (the others return None). `sharded` (default:
         True inside ``checkpoint.sharded_state_dicts(self)``): each state tensor holds only this rank's
-        elements, as views of its shard, for torch.distributed.checkpoint (dcp_sharded.py). Hooks fire."""
+        elements, as views of its shard, for torch.distributed.checkpoint (checkpoint/dcp_state.py). Hooks fire."""
         return state_dict_with_hooks(self, lambda: checkpoint.state_dict(self, gather_on_rank0, sharded))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -455,46 +389,44 @@ class DistributedFusedAdam(GradScaling, torch.optim.Optimizer):
                         "and module hooks, and this rank's shard of the state. Use state_dict() (or "
                         "distopt.distributed.checkpoint.save) and build a new optimizer to load it into.")
 
-    # What checkpoint.py reads and writes, and nothing more (its ShardedOptimizer protocol).
+    # What checkpoints read and write, and nothing more (checkpoint/protocol.py: ShardedOptimizer).
 
     @property
     def step_count(self) -> int:
         """Steps taken (a skipped inf/nan step does not count); bias correction uses it."""
-        return int(self._step_tensor.item()) if self.capturable else self._step_count
+        return self._runtime.step_count
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        self._step_count = int(value)
-        self._step_tensor.fill_(float(value))  # in place: a captured CUDA graph keeps reading it
+        self._runtime.step_count = value
 
     def checkpoint_params(self) -> list[Tensor]:
         """The trainable params; bucket fragments name them by their position in this list."""
-        return self._params
+        return self._runtime.params
 
     def checkpoint_tensors(self) -> list[Tensor]:
         """What the buckets hold of each trainable param: the param, or a DTensor param's local tensor."""
-        return self._tensors
+        return self._runtime.tensors
 
     def checkpoint_indices(self) -> list[int]:
         """Each trainable param's position in ``param_groups`` (its key in state dicts)."""
-        positions = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [positions[p] for p in self._params]
+        return self._runtime.positions(self.param_groups)
 
     def shard_buckets(self, build: bool = True) -> list[BucketRuntime]:
         """This rank's buckets, with every deferred param all-gather landed; builds the whole layout
         first (``init_params()``) where there is none yet, unless `build` is False (then: [])."""
         self.param_sync()
-        if self._layout is None and build:
+        if self._runtime.layout is None and build:
             self.init_params()
-        return self._buckets
+        return self._runtime.buckets
 
     def publish_params(self) -> None:
         """Writes the model params from the buckets' param slices, as after a step (at once, or
         before the next forward with overlap_param_sync)."""
-        self._param_sync.after_step(None, publish=True)
+        self._runtime.param_sync.after_step(None, publish=True)
 
     # ------------------------------------------------------------------ reporting
 
     def memory_report(self) -> dict[str, int]:
         """This rank's persistent optimizer memory in bytes, by category (and the total)."""
-        return memory_report(self._buckets, self.contiguous_grad_buffer, self.offload_optimizer)
+        return memory_report(self._runtime.buckets, self.contiguous_grad_buffer, self.offload_optimizer)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from .._validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES
 from .comm import Comm
 
 Segments = list[tuple[list[int], bool]]  # (param indices in packing order, fresh buckets of their own)

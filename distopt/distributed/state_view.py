@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..reference import join_bf16_remainder
-from .buckets import BucketRuntime, flat
+from .buckets import BucketRuntime
 from .layout import Fragment
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import DistributedFusedAdam
+from .runtime import ShardRuntime
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "param")
 _ENTRY_WRITE = (
@@ -61,24 +58,6 @@ class StateEntry(dict):
         return (dict, (dict(self),))  # unpickles as a plain dict
 
 
-def fragment_master(b: BucketRuntime, f: Fragment, params: list[Tensor], pending: bool = False) -> Tensor:
-    """The fp32 master values of fragment `f` of bucket `b` (1-D, the param's memory order): a view of
-    the stored master, of an fp32 model param that is its own master, or of this rank's slice of the
-    param buffer; a fresh tensor where a 16-bit param is widened or joined with its remainders.
-    `pending`: the bucket's updated slice has not been all-gathered into the model yet
-    (overlap_param_sync), so the param buffer, not the model param, holds the current value."""
-    s = b.state
-    if s.master is not None:
-        return s.master[f.shard_offset : f.shard_offset + f.numel]
-    if pending and b.param_buffer is not None:
-        values = b.param_buffer[b.lo + f.shard_offset : b.lo + f.shard_offset + f.numel]
-    else:
-        values = flat(params[f.param].detach())[f.param_offset : f.param_offset + f.numel]
-    if s.remainders is not None:
-        return join_bf16_remainder(values, s.remainders[f.shard_offset : f.shard_offset + f.numel])
-    return values.float()  # no copy for fp32
-
-
 class StateView(Mapping):
     """Maps each trainable param to ``{"step", "exp_avg", "exp_avg_sq", "param"}``: ``step`` a float32
     scalar tensor (the optimizer's step count), the others fp32 1-D tensors of this rank's elements of
@@ -86,61 +65,63 @@ class StateView(Mapping):
     built). See DistributedFusedAdam's docstring. Params that are not trainable read as ``{}``, as
     from torch's ``defaultdict``, without being added."""
 
-    def __init__(self, opt: DistributedFusedAdam) -> None:
-        self._opt = weakref.ref(opt)  # no reference cycle: the optimizer holds hooks and process groups
+    def __init__(self, rt: ShardRuntime) -> None:
+        # A weak reference: the view must not keep the optimizer's sharded state (and through its hooks,
+        # process groups) alive once the optimizer is gone.
+        self._rt = weakref.ref(rt)
         self._fragments: dict[int, list[tuple[BucketRuntime, Fragment]]] | None = None
 
-    def _owner(self) -> DistributedFusedAdam:
-        opt = self._opt()
-        if opt is None:
+    def _owner(self) -> ShardRuntime:
+        rt = self._rt()
+        if rt is None:
             raise ReferenceError("the optimizer of this state view no longer exists")
-        return opt
+        return rt
 
     def __len__(self) -> int:
-        return len(self._owner()._params)
+        return len(self._owner().params)
 
     def __iter__(self) -> Iterator[Tensor]:
-        return iter(list(self._owner()._params))
+        return iter(list(self._owner().params))
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, Tensor) and key in self._owner()._index
+        return isinstance(key, Tensor) and key in self._owner().index
 
     def get(self, key: Any, default: Any = None) -> Any:
         return self[key] if key in self else default
 
     def __getitem__(self, key: Any) -> StateEntry:
-        opt = self._owner()
-        index = opt._index.get(key) if isinstance(key, Tensor) else None
+        rt = self._owner()
+        index = rt.index.get(key) if isinstance(key, Tensor) else None
         if index is None:
             return StateEntry()
         # Inference mode: the copies made here are inference tensors, which refuse in-place writes
         # outside it; views of ordinary tensors made here stay ordinary (writes reach the shard).
         with torch.inference_mode():
-            if opt.capturable:
-                step = opt._step_tensor  # the live counter, on the GPU: reading it would synchronise
+            if rt.capturable:
+                step = rt.step_tensor  # the live counter, on the GPU: reading it would synchronise
             else:
-                step = torch.tensor(float(opt._step_count))
+                step = torch.tensor(float(rt.steps))
             entry = {"step": step}
-            parts = self._fragments_of(opt).get(index, [])
-            pending = set(opt._param_sync.pending)
+            parts = self._fragments_of(rt).get(index, [])
+            pending = set(rt.param_sync.pending)
             for key_name in STATE_KEYS:
-                pieces = [self._piece(opt, b, f, key_name, b.index in pending) for b, f in parts]
+                pieces = [self._piece(rt, b, f, key_name, b.index in pending) for b, f in parts]
                 if not pieces:
-                    entry[key_name] = torch.empty(0, dtype=torch.float32, device=opt.state_device)
+                    entry[key_name] = torch.empty(0, dtype=torch.float32, device=rt.state_device)
                 else:  # a param larger than a bucket has one fragment per bucket here: then a copy
                     entry[key_name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return StateEntry(entry)
 
     @staticmethod
-    def _piece(opt: DistributedFusedAdam, b: BucketRuntime, f: Fragment, key: str, pending: bool) -> Tensor:
+    def _piece(rt: ShardRuntime, b: BucketRuntime, f: Fragment, key: str, pending: bool) -> Tensor:
         if key == "param":
-            return fragment_master(b, f, opt._tensors, pending)
+            return b.fragment_master(f, rt.tensors, pending)
         return getattr(b.state, key)[f.shard_offset : f.shard_offset + f.numel]
 
-    def _fragments_of(self, opt: DistributedFusedAdam) -> dict[int, list[tuple[BucketRuntime, Fragment]]]:
-        if self._fragments is None and opt._buckets:  # the layout is built once, never changed
+    def _fragments_of(self, rt: ShardRuntime) -> dict[int, list[tuple[BucketRuntime, Fragment]]]:
+        if self._fragments is None and rt.buckets:  # the layout is built once, never changed
             out: dict[int, list[tuple[BucketRuntime, Fragment]]] = {}
-            for b in opt._buckets:
+            for b in rt.buckets:
                 for f in b.fragments:
                     out.setdefault(f.param, []).append((b, f))
             for parts in out.values():

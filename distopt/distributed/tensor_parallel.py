@@ -23,12 +23,8 @@ the norm and the flag over that group too, and the caller leaves the copies out 
 ``grad_norm(parameters=...)`` / ``clip_grad_norm(max_norm, parameters=...)``, as NeMo's
 ``clip_grad_norm_distributed_optimizer`` does (replicated params on tensor-parallel rank 0 only).
 
-Checkpoints (checkpoint.py, dcp_sharded.py): ``state_dict()`` holds a DTensor param's state as
-DTensors laid out as the param (``param_state``; gathered over dp only, as torch.optim.AdamW's state of the
-same model), which ``get_optimizer_state_dict``, ``full_state_dict`` and ``dcp.save``/``dcp.load``
-handle; loading takes them, or whole tensors, as this rank's part (``local_value``). The sharded forms
-place this rank's ranges inside the local chunk (``chunk_origin``), so tensor-parallel ranks never
-write over each other, and reshard over dp.
+Checkpoints hold a DTensor param's state laid out as the param (checkpoint/placement.py); a sharded
+checkpoint records each param's ``layout_text`` and must be loaded into the same layout.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .. import ops
-from ..dtensor import NormReduction, is_sharded, like_param, local, local_param_and_grad, placed_like
+from ..dtensor import NormReduction, is_sharded, like_param, local, local_param_and_grad
 from ..dtensor import check_params as check_dtensor_params
 from .buckets import BucketRuntime
 from .comm import Comm
@@ -50,7 +46,8 @@ from .comm import Comm
 OWNER = "DistributedFusedAdam"
 
 
-def _ranks(group: Any) -> frozenset[int]:
+def group_ranks(group: Any) -> frozenset[int]:
+    """The global ranks of a process group."""
     return frozenset(dist.get_process_group_ranks(group))
 
 
@@ -60,8 +57,8 @@ def check_params(params: list[Tensor], comm: Comm, model_parallel_group: Any) ->
     twice; replicated along one is fine), for a `model_parallel_group` that shares ranks with that group,
     and for a mesh dimension that shares ranks with `model_parallel_group` (the norm would count it twice)."""
     check_dtensor_params(params, OWNER, offload=False)
-    data_parallel = _ranks(comm.process_group)
-    model_parallel = _ranks(model_parallel_group) if model_parallel_group is not None else frozenset()
+    data_parallel = group_ranks(comm.process_group)
+    model_parallel = group_ranks(model_parallel_group) if model_parallel_group is not None else frozenset()
     if len(data_parallel & model_parallel) > 1:
         raise ValueError(f"{OWNER}: model_parallel_process_group (ranks {sorted(model_parallel)}) shares ranks with "
                          f"the data-parallel process_group ({sorted(data_parallel)}): it must hold the ranks with the "
@@ -74,7 +71,7 @@ def check_params(params: list[Tensor], comm: Comm, model_parallel_group: Any) ->
         for d in range(mesh.ndim):
             ranks = seen.get((id(mesh), d))
             if ranks is None:
-                ranks = seen[id(mesh), d] = _ranks(mesh.get_group(d)) if mesh.size(d) > 1 else frozenset()
+                ranks = seen[id(mesh), d] = group_ranks(mesh.get_group(d)) if mesh.size(d) > 1 else frozenset()
             if is_sharded(p.placements[d]) and len(ranks & data_parallel) > 1:
                 raise ValueError(
                     f"{OWNER}: param {i} is a DTensor sharded ({p.placements[d]}) along mesh dimension {d}, whose "
@@ -193,71 +190,8 @@ class ShardNorm:
         return lists
 
 
-# ---------------------------------------------------------------------- checkpoints
-
-
-def param_state(p: Tensor, t: Tensor) -> Tensor:
-    """State tensor `t` (of the shape of `p`'s local tensor) as ``state_dict()`` holds it: for a DTensor
-    param, a DTensor laid out as `p` (mesh, placements, global shape and stride), on `t`'s device (a CPU
-    state dict stays on the CPU, as torch's ``cpu_offload`` keeps DTensors)."""
-    if not isinstance(p, DTensor):
-        return t
-    mesh = p.device_mesh
-    on_mesh = t if t.device.type == mesh.device_type else t.to(mesh.device_type)
-    out = DTensor.from_local(on_mesh, mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-    return out if out.device == t.device else out.to(t.device)
-
-
-def local_value(p: Tensor, value: Tensor, name: str) -> Tensor:
-    """A loaded state tensor as the buckets take it: for a DTensor param, this rank's part of `value` (a
-    DTensor on the param's mesh, redistributed to its placements if need be, or a whole tensor, sliced
-    here); a DTensor for a plain param, or on another mesh, raises ValueError."""
-    if not isinstance(p, DTensor) and not isinstance(value, DTensor):
-        return value
-    return local(placed_like(p, value, name))
-
-
-def chunk_origin(p: Tensor) -> tuple[int, ...] | None:
-    """Where this rank's local chunk of a DTensor param starts in the whole param (None for a plain
-    param, which is whole)."""
-    if not isinstance(p, DTensor):
-        return None
-    (chunk,) = p.__create_chunk_list__()  # torch.distributed.checkpoint's view of the local shard
-    return tuple(chunk.offsets)
-
-
-def chunk_name(g: int, p: Tensor) -> str:
-    """A param's name in distopt's sharded checkpoints: its position in param_groups, and for a DTensor
-    param the offsets of this rank's local chunk ("3@4_0"), so that tensor-parallel ranks' ranges of it
-    have names of their own."""
-    origin = chunk_origin(p)
-    return str(g) if origin is None else f"{g}@{'_'.join(map(str, origin))}"
-
-
-def checkpoint_group(opt: Any) -> Any:
-    """The ranks that write and read one of `opt`'s sharded checkpoints (checkpoint.save/load): its
-    data-parallel process_group, or every rank (torch.distributed.checkpoint's default group) where
-    DTensor params live on other ranks too: their chunks make one checkpoint of the whole model. Parts
-    of the model that are plain tensors on other model-parallel ranks are unknown to the checkpoint:
-    each model-parallel rank saves its own, as Megatron-LM does."""
-    data_parallel = _ranks(opt.comm.process_group)
-    for p in opt.checkpoint_params():
-        if isinstance(p, DTensor) and not set(p.device_mesh.mesh.flatten().tolist()) <= data_parallel:
-            return dist.group.WORLD
-    return opt.comm.process_group
-
-
 def layout_text(p: Tensor) -> str | None:
     """A DTensor param's layout (placements and mesh shape), which a sharded checkpoint must match."""
     if not isinstance(p, DTensor):
         return None
     return f"placements {tuple(p.placements)} on a mesh of shape {tuple(p.device_mesh.shape)}"
-
-
-def check_saved_layout(g: int, p: Tensor, saved: str | None) -> None:
-    """Raises ValueError unless param `g` (`p`) has the layout a sharded checkpoint recorded for it
-    (``layout_text``; None for a plain tensor)."""
-    if saved != layout_text(p):
-        now = layout_text(p) or "a plain tensor"
-        raise ValueError(f"param {g} was saved as {saved or 'a plain tensor'}, now {now}: load the per-param "
-                         "state_dict() form instead")

@@ -1,11 +1,11 @@
 """DistributedFusedAdam as a torch.optim optimizer: torch.optim.AdamW's options (torch's state-dict
-hooks run through distopt/_state_dicts.py, shared with FusedAdam; the step hooks come with
+hooks run through distopt/state_dicts.py, shared with FusedAdam; the step hooks come with
 torch.optim.Optimizer's own step wrapper).
 
 Every AdamW keyword is accepted where it is supported (``maximize``; ``decoupled_weight_decay``,
 the same switch as apex's ``adam_w_mode``) or changes nothing here (``foreach`` and ``fused`` choose
 torch's implementation; the update is always the fused kernel). The rest is refused with a
-ValueError (distopt/_validation.py, shared with FusedAdam): at construction, and for a param-group
+ValueError (distopt/validation.py, shared with FusedAdam): at construction, and for a param-group
 key changed afterwards, at the next ``step()``, before anything is touched. ``capturable`` is set
 for the whole optimizer: its param-group key only mirrors it.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validation import check_adamw_options, weight_decay_mode
+from ..validation import check_adamw_options, weight_decay_mode
 
 
 def option_defaults(adam_w_mode: bool | None, decoupled_weight_decay: bool | None, maximize: bool, amsgrad: bool,

@@ -2,56 +2,59 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import ops
-from .._validation import check_graph_lr
+from ..validation import check_graph_lr
 from .buckets import BucketRuntime, flat
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import DistributedFusedAdam
+from .runtime import ShardRuntime
 
 KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "param_outs", "param_remainders")
 WHERE = "where"  # each entry's (shard state, fragment), for the moment formats' arguments (moments.py)
 
 
-def update_shards(opt: DistributedFusedAdam, grad_scale: Tensor, found_inf: Tensor | None) -> None:
-    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes).
-    With offload the calls run on the host bucket by bucket, and each bucket's param slice is copied
-    back as soon as it is updated (the copy overlaps the next bucket's update)."""
-    if not opt.offload_optimizer:
-        _run(opt, opt._buckets, grad_scale, found_inf)
+def update_shards(rt: ShardRuntime, groups: list[dict[str, Any]], grad_scale: Tensor, found_inf: Tensor | None,
+                  graph_lrs: list[Tensor] | None) -> None:
+    """The fused update of every shard this rank holds: one kernel call per (param group, dtypes), with
+    each group's hyperparameters from `groups` (the optimizer's param_groups; `graph_lrs`: the lr tensors
+    a captured CUDA graph reads, see ``graph_safe_lr``). With offload the calls run on the host bucket by
+    bucket, and each bucket's param slice is copied back as soon as it is updated (the copy overlaps the
+    next bucket's update)."""
+    if rt.transfers is None:
+        _run(rt, groups, rt.buckets, grad_scale, found_inf, graph_lrs)
         return
-    grad_scale = grad_scale.to(opt.state_device)
-    for b in opt._buckets:
-        _run(opt, [b], grad_scale, None)
+    grad_scale = grad_scale.to(rt.state_device)
+    for b in rt.buckets:
+        _run(rt, groups, [b], grad_scale, None, graph_lrs)
         b.send_params()
 
 
-def _run(opt: DistributedFusedAdam, buckets: list[BucketRuntime], grad_scale: Tensor, found_inf: Tensor | None) -> None:
-    ids = None if opt._moments.plain else opt.checkpoint_indices()  # stochastic rounding's param ids
-    for (group_index, _), lists in kernel_lists(buckets, opt._tensors, opt._group_of,
-                                                opt.contiguous_param_buffer, ids is not None).items():
-        group = opt.param_groups[group_index]
+def _run(rt: ShardRuntime, groups: list[dict[str, Any]], buckets: list[BucketRuntime], grad_scale: Tensor,
+         found_inf: Tensor | None, graph_lrs: list[Tensor] | None) -> None:
+    ids = None if rt.moments.plain else rt.positions(groups)  # stochastic rounding's param ids
+    for (group_index, _), lists in kernel_lists(buckets, rt.tensors, rt.group_of,
+                                                rt.contiguous_param_buffer, ids is not None).items():
+        group = groups[group_index]
         hyper = group_hyperparameters(group, grad_scale)
-        hyper.update(opt._moments.call_kwargs(lists.pop(WHERE), ids, group))
-        if opt.capturable:  # the kernel reads lr and the step from the GPU
-            ops.adam_step_(**lists, lr=graph_safe_lr(opt, group_index), step=opt._step_tensor, found_inf=found_inf,
-                           **hyper)
+        hyper.update(rt.moments.call_kwargs(lists.pop(WHERE), ids, group))
+        if rt.capturable:  # the kernel reads lr and the step from the GPU
+            lr = graph_safe_lr(groups, graph_lrs, group_index, rt.device)
+            ops.adam_step_(**lists, lr=lr, step=rt.step_tensor, found_inf=found_inf, **hyper)
         else:
-            ops.adam_step_(**lists, lr=float(group["lr"]), step=opt._step_count, **hyper)
+            ops.adam_step_(**lists, lr=float(group["lr"]), step=rt.steps, **hyper)
 
 
-def graph_safe_lr(opt: DistributedFusedAdam, index: int) -> Tensor:
-    """Param group `index`'s lr as a tensor on the optimizer's device (capturable: the kernel reads it
-    there); refuses one that replaced the tensor a captured CUDA graph reads."""
-    check_graph_lr(opt.param_groups, opt._graph_lrs, index)
-    lr = opt.param_groups[index]["lr"]
-    if not isinstance(lr, Tensor) or lr.device != opt.device:
-        lr = opt.param_groups[index]["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(opt.device)
+def graph_safe_lr(groups: list[dict[str, Any]], graph_lrs: list[Tensor] | None, index: int,
+                  device: torch.device) -> Tensor:
+    """Param group `index`'s lr as a tensor on `device` (capturable: the kernel reads it there);
+    refuses one that replaced the tensor a captured CUDA graph reads (`graph_lrs`)."""
+    check_graph_lr(groups, graph_lrs, index)
+    lr = groups[index]["lr"]
+    if not isinstance(lr, Tensor) or lr.device != device:
+        lr = groups[index]["lr"] = torch.as_tensor(lr, dtype=torch.float32).to(device)
     return lr
 
 

@@ -29,9 +29,9 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.utils import logging
 
 from distopt import DistributedFusedAdam, FusedAdam
-from distopt.distributed.agreement import raise_together
-from distopt.distributed.atomic_replace import SaveFailed, describe, replace_file
 from distopt.distributed.buffers import BufferSync
+from distopt.distributed.checkpoint.atomic_replace import SaveFailed, describe, replace_file
+from distopt.distributed.comm import raise_together
 
 logger = logging.get_logger(__name__)
 

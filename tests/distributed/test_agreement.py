@@ -33,6 +33,11 @@ class Setup:
     kwargs: dict = field(default_factory=dict)
 
 
+def agreement_args(opt: DistributedFusedAdam) -> tuple:
+    """What the optimizer hands agreement.check and fingerprint: its runtime, param groups and options."""
+    return opt._runtime, opt.param_groups, {name: getattr(opt, name) for name in agreement.OPTIONS}
+
+
 def mlp(d_in: int = 4, d_hidden: int = 6) -> nn.Module:
     torch.manual_seed(0)  # the same weights on every rank
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.Tanh(), nn.Linear(d_hidden, d_in))
@@ -195,7 +200,7 @@ def _count_checks(rank: int, world_size: int, use_init_params: bool) -> tuple[in
                  "broadcast_object_list", "all_to_all", "gather", "scatter"):
         fn = getattr(dist, name)
         setattr(dist, name, lambda *a, _fn=fn, _name=name, **k: collectives.append(_name) or _fn(*a, **k))
-    agreement.check(opt)
+    agreement.check(*agreement_args(opt))
     return len(calls), len(collectives)
 
 
@@ -225,7 +230,7 @@ def _fingerprint(rank: int, world_size: int) -> list[tuple[str, str]]:
     m[2].bias.requires_grad_(False)  # frozen: not in the fingerprint
     opt = DistributedFusedAdam([{"params": list(m[0].parameters()), "lr": 0.5, "name": "first"},
                                 {"params": list(m[2].parameters())}], weight_decay=0.0)
-    return agreement.fingerprint(opt)
+    return agreement.fingerprint(*agreement_args(opt))
 
 
 def test_fingerprint_entries():
@@ -261,4 +266,5 @@ def test_nccl_agreeing_and_gather_path(nccl_group):
     opt = DistributedFusedAdam(model.parameters(), capturable=True)  # lr becomes a GPU tensor
     model(torch.randn(2, 8, device="cuda")).sum().backward()
     opt.step()
-    assert dict(agreement.fingerprint(opt))["param group 0 lr"] == "0.0010000000474974513"  # float32 0.001
+    entries = dict(agreement.fingerprint(*agreement_args(opt)))
+    assert entries["param group 0 lr"] == "0.0010000000474974513"  # float32 0.001

@@ -74,8 +74,8 @@ PATTERNS = {
 
 
 def snapshot(opt: DistributedFusedAdam) -> list[torch.Tensor]:
-    out = [opt._step_tensor.clone(), torch.tensor(opt._step_count)]
-    for b in opt._buckets:
+    out = [opt._runtime.step_tensor.clone(), torch.tensor(opt._runtime.steps)]
+    for b in opt._runtime.buckets:
         s = b.state
         out += [t.clone() for t in (s.exp_avg, s.exp_avg_sq, s.master, s.remainders) if t is not None]
     return out

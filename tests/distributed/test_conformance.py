@@ -274,7 +274,7 @@ def view_of_state(rank: int, world_size: int, name: str) -> dict:
     if rank == 0:  # reading the view communicates nothing: one rank alone may look (no hang)
         assert all(len(entry) == 4 for entry in opt.state.values())
     # Where each rank's elements of each param lie (from the layout), to place the views.
-    ranges = {i: sorted((f.param_offset, f.numel) for b in opt._buckets for f in b.fragments if f.param == i)
+    ranges = {i: sorted((f.param_offset, f.numel) for b in opt._runtime.buckets for f in b.fragments if f.param == i)
               for i in range(len(params))}
     views = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
     is_view = [opt.state[p]["exp_avg"]._base is not None for p in params]

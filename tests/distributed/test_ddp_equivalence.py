@@ -4,7 +4,7 @@ Each rank trains two copies of the same model on its own batches: one wrapped in
 optimizer (the reference), one with DistributedFusedAdam. Every micro-batch compares outputs and
 input gradients, and every step compares every param. Sixteen-bit models use DDP + FusedAdam with
 fp32 master weights as the reference: torch's optimizers have no master weights, and FusedAdam is
-itself checked against torch.optim.AdamW (tests/test_fused_adam.py), so the chain of trust holds.
+itself checked against torch.optim.AdamW (tests/fused_adam/test_fused_adam.py), so the chain of trust holds.
 
 DistributedFusedAdam treats a param without a gradient as having a zero gradient (see its
 docstring); the reference gets the same semantics by zero-filling None grads before its step.

@@ -155,7 +155,7 @@ def _no_sync_rank(rank: int, world_size: int) -> list[list[float]]:
     params = list(model.parameters())
     opt = DistributedFusedAdam(params, lr=1e-2)
     for layout_built in (False, True):  # the first iteration runs before the layout exists
-        assert (opt._layout is not None) == layout_built
+        assert (opt._runtime.layout is not None) == layout_built
         with opt.no_sync():
             train_step(model, rank)
             before = snapshot(params)

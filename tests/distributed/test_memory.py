@@ -88,7 +88,7 @@ def _report_rank(rank: int, world_size: int, config: str) -> dict:
     model(x).float().square().mean().backward()
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(params, before)), "the step did not update every param"
-    layout = opt._layout
+    layout = opt._runtime.layout
     return dict(
         report=dict(opt.memory_report()),
         shard_numel=sum(b.shard_numel for b in layout.buckets),

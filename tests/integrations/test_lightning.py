@@ -33,8 +33,6 @@ from distopt.integrations.lightning import (  # noqa: E402
     strategy_class,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness
 import tolerances  # noqa: E402
 from harness import run_ranks  # noqa: E402
 

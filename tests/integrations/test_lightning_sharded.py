@@ -22,9 +22,7 @@ alone); the mixin leaves that refusal in place rather than clipping each rank by
 from __future__ import annotations
 
 import os
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,8 +40,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from distopt import FusedAdam  # noqa: E402
 from distopt.integrations.lightning import DistoptGradientClipping  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integrations: the DDP tests' helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness
 from harness import run_ranks  # noqa: E402
 from test_lightning import BATCH, CLIP, LR, SAMPLES, WD, assert_matches, lightning_env  # noqa: E402
 

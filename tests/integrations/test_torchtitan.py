@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,8 +39,6 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 
 from distopt.integrations.torchtitan import DistoptOptimizersContainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness, dtensor_models
 import tolerances  # noqa: E402
 from dtensor_models import batch, fsdp  # noqa: E402
 from harness import run_ranks  # noqa: E402

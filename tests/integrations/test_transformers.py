@@ -35,8 +35,6 @@ from distopt.distributed import buffers  # noqa: E402
 from distopt.distributed.atomic_replace import SaveFailed  # noqa: E402
 from distopt.integrations.transformers import DistoptTrainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tolerances
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness
 import tolerances  # noqa: E402
 from harness import run_ranks  # noqa: E402
 

@@ -23,8 +23,6 @@ Every run clips on every step (the reference's pre-clip norms, asserted) and acc
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,8 +36,6 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 from distopt import FusedAdam  # noqa: E402
 from distopt.integrations.transformers import DistoptTrainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/integrations: the DDP tests' helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness
 from harness import run_ranks  # noqa: E402
 from test_transformers import (  # noqa: E402
     BATCH,
