@@ -139,7 +139,7 @@ def check(s: Moments) -> str:
         if not _same([x.cpu() for x in gpu.tensors()], cpu.tensors()):
             raise AssertionError("the CUDA kernel's bits differ from the CPU kernel's")
         done.append("= CPU kernel bits")
-    return ", ".join(done) or "none here (tests/test_ops_adam_states.py checks it)"
+    return ", ".join(done) or "none here (tests/ops/test_ops_adam_states.py checks it)"
 
 
 def torchao_step(params: list[Tensor], grads: list[Tensor]) -> Callable[[], None] | None:

@@ -13,7 +13,7 @@ every CPython >= 3.10, whichever torch compiled it. The CUDA runtime is linked s
 not depend on the CUDA version of the user's torch (it needs a driver for this toolkit's CUDA version).
   distopt._C_emulated
                     test-only, never installed: the CUDA kernels built for the CPU SIMT emulator (see
-                    EMULATED_* below); tests/backends.py builds it on first use.
+                    EMULATED_* below); tests/ops/backends.py builds it on first use.
 
 Local builds and wheel builds. The CUDA kernels take most of a build's time (minutes per GPU
 architecture on a small machine), so what is compiled depends on what the build is for:

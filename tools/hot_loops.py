@@ -16,7 +16,7 @@ tools are missing). The emulator counts the shared-memory wavefronts
 
     .venv/bin/python tools/hot_loops.py [--arch sm_80,sm_90] [--csrc DIR] [--json out.json]
 
---csrc reads another tree (tests/test_hot_loops.py's negative control: the kernels of commit 89b84a8).
+--csrc reads another tree (tests/tooling/test_hot_loops.py's negative control: the kernels of commit 89b84a8).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ constexpr float bits_float_constexpr(uint32_t u) { return __builtin_bit_cast(flo
 // vectorises (bf16: c10's rounding; fp16: c10's fp16_ieee_from_fp32_value, which relies on IEEE fp32
 // adds and multiplies without FMA contraction or flush-to-zero); on the device they are the IEEE
 // round-to-nearest cvt instructions plus the NaN select, so the two give the same bits by the IEEE
-// definition of rounding. tests/test_cpu_kernels.py checks the host code against torch's casts.
+// definition of rounding. tests/ops/test_cpu_kernels.py checks the host code against torch's casts.
 
 DISTOPT_HD bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
 

@@ -1,6 +1,6 @@
 // The one way the CUDA kernels are launched (no `<<<...>>>` anywhere else), so that the same launch
 // sites build with nvcc and, as host C++, with the SIMT emulator (csrc/testing/simt/simt.h), which
-// runs each launch on the CPU and checks it (tests/test_ops_*.py, backend "cuda-emulated").
+// runs each launch on the CPU and checks it (tests/ops/test_ops_*.py, backend "cuda-emulated").
 #pragma once
 
 #include <cuda_runtime.h>

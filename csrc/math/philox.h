@@ -75,7 +75,7 @@ struct Philox4 {
   uint32_t w[4];
 };
 
-// Philox4x32-10 of one counter and key (Random123's known answers: tests/test_ops_adam_states.py).
+// Philox4x32-10 of one counter and key (Random123's known answers: tests/ops/test_ops_adam_states.py).
 DISTOPT_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, const PhiloxKeys& key) {
   philox_rounds(c0, c1, c2, c3, key);
   return Philox4{{c0, c1, c2, c3}};

@@ -24,7 +24,7 @@
 //
 // The tables are checked against quantize_code at, just below and just above every threshold (both
 // signs) and at the edges, the only places where two exact ways of counting could disagree: static
-// assertions, so every compiler that builds the tables proves them (tests/test_hot_loops.py also
+// assertions, so every compiler that builds the tables proves them (tests/tooling/test_hot_loops.py also
 // compares the GPU's copy in the compiled kernels with the host's).
 #pragma once
 

@@ -1,4 +1,4 @@
-"""The "cuda-emulated" op-test backend's plumbing (tests/backends.py): its ops run the CUDA kernels under
+"""The "cuda-emulated" op-test backend's plumbing (tests/ops/backends.py): its ops run the CUDA kernels under
 the emulator, the emulator's errors surface as RuntimeError, and the cross-check against the CPU kernel
 is not vacuous."""
 

@@ -4,7 +4,7 @@ catch, and pass a correct kernel under any schedule.
 The kernels are in controls.cpp, built by the ``controls`` fixture (simt_controls.py: once per source
 change, cached under build/) with the emulated build's own flags from csrc/build_config.py, against the
 same emulator and the same vec.cuh, reduce.cuh and launch.cuh as distopt._C_emulated. The op tests run
-the product kernels under the emulator (backend "cuda-emulated" in tests/backends.py).
+the product kernels under the emulator (backend "cuda-emulated" in tests/ops/backends.py).
 """
 
 from __future__ import annotations

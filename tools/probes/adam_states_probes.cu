@@ -3,7 +3,7 @@
 // so that each kernel's vector loop is the code the shipped kernel runs for that format (its formats
 // are warp-uniform launch arguments, branched on around that code). fp32 params and grads, no
 // param_outs, eager, 4 KiB metadata. Compiled against a csrc/ given on the include path (-I<csrc>), so
-// the same probes read an older tree too (the negative controls in tests/test_hot_loops.py).
+// the same probes read an older tree too (the negative controls in tests/tooling/test_hot_loops.py).
 #include "cuda/adam_op.cuh"
 #include "cuda/adam_states_op.cuh"
 

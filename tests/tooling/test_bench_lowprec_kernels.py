@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_lowprec_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lowprec_kernels.py"
 FORMATS = ("fp32", "bf16", "bf16 SR", "8-bit")  # written out: dropping one from the benchmark fails here
 
 

@@ -6,7 +6,7 @@ these constants, tensor factories, ``AdamState`` and the run_*/check_*/assert_* 
 
 * inputs are random and never zero (exp_avg_sq is positive); the autouse fixture in conftest.py seeds
   torch, so every run sees the same data;
-* the factories create tensors on the current backend's device (tests/backends.py) unless given one;
+* the factories create tensors on the current backend's device (tests/ops/backends.py) unless given one;
 * the Adam update and the norms are compared with the per-dtype ``tolerances.KERNEL`` table (fp32
   math against the float64 reference); ``scale_`` and ``cast_copy_`` must match bit for bit;
 * "bit-identical" means equal bit patterns (``assert_bits_equal`` compares integer views, so it also
@@ -52,7 +52,7 @@ OP_NAMES = ("adam_step_", "l2norm", "scale_", "cast_copy_")
 
 
 # Where the factories below create tensors when no device is given: the op tests' backend's device
-# (tests/backends.py sets it for the duration of a test; "cpu" otherwise).
+# (tests/ops/backends.py sets it for the duration of a test; "cpu" otherwise).
 _default_device = "cpu"
 
 

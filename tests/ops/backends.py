@@ -35,7 +35,7 @@ from distopt import ops
 
 import op_helpers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "csrc"))
 import build_config  # noqa: E402
 

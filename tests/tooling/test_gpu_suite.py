@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_suite.sh"
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.sh"
 
 
 def test_the_suite_parses() -> None:

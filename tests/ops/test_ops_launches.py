@@ -1,4 +1,4 @@
-"""How the multi-tensor ops split work into CUDA launches, on every backend (tests/backends.py): lists
+"""How the multi-tensor ops split work into CUDA launches, on every backend (tests/ops/backends.py): lists
 that overflow a launch's metadata (tensor slots, blocks) at each kind of boundary, a tensor continuing
 in the next launch, per-list alignments and offsets, empty tensors, the capturable op's step row,
 l2norm's workspace across its per-tensor launches, and the launch counts for 10,000 tensors.

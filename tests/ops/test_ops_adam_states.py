@@ -10,7 +10,7 @@ Two oracles, as in bitsandbytes' and Transformer Engine's tests:
   and stores), re-synced to the kernel's state every step, with ordinary and harsh betas.
 
 Negative controls show that a wrong map or a wrong absmax is caught. Every test runs on each backend of
-tests/backends.py (cpu, cuda-emulated, cuda): each has low-precision kernels. Helpers: op_helpers.py.
+tests/ops/backends.py (cpu, cuda-emulated, cuda): each has low-precision kernels. Helpers: op_helpers.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (``distopt.reference``): norms within NORM_RTOL of the float64 reference; scale_ and cast_copy_ bit for
 bit, their found_inf / skip_if flags, unaligned and channels_last layouts, many tensors.
 
-Every test runs on each backend of tests/backends.py (cpu, cuda-emulated, cuda); tests/test_ops_cuda.py
+Every test runs on each backend of tests/ops/backends.py (cpu, cuda-emulated, cuda); tests/ops/test_ops_cuda.py
 adds what only a GPU shows. Helpers and conventions: op_helpers.py.
 """
 
@@ -37,7 +37,7 @@ from op_helpers import (
     snapshot,
 )
 
-# Every test runs on each backend (tests/backends.py): the CPU kernels, the CUDA kernels under the SIMT
+# Every test runs on each backend (tests/ops/backends.py): the CPU kernels, the CUDA kernels under the SIMT
 # emulator (cross-checked bit for bit against the CPU kernels) and, with a GPU, the CUDA kernels.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "backend")
 

@@ -3,9 +3,9 @@ pure-PyTorch oracle (``distopt.reference``): every dtype combination (descending
 bf16 + int16 remainders, chunk-edge and multi-chunk sizes, unaligned and channels_last layouts, the
 capturable op, and found_inf skips.
 
-Every test runs on each backend of tests/backends.py: the CPU kernels, the CUDA kernels under the SIMT
+Every test runs on each backend of tests/ops/backends.py: the CPU kernels, the CUDA kernels under the SIMT
 emulator (no GPU needed; each call also compared bit for bit with the CPU kernel) and, with a GPU, the
-CUDA kernels. tests/test_ops_cuda.py adds what only a GPU shows (graphs, streams). Helpers and
+CUDA kernels. tests/ops/test_ops_cuda.py adds what only a GPU shows (graphs, streams). Helpers and
 conventions: op_helpers.py.
 """
 
@@ -54,7 +54,7 @@ from op_helpers import (
     snapshot,
 )
 
-# Every test runs on each backend (tests/backends.py): the CPU kernels, the CUDA kernels under the SIMT
+# Every test runs on each backend (tests/ops/backends.py): the CPU kernels, the CUDA kernels under the SIMT
 # emulator (cross-checked bit for bit against the CPU kernels) and, with a GPU, the CUDA kernels.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "backend")
 

@@ -1,5 +1,5 @@
 """The low-precision-moment update (bf16 and 8-bit moments, stochastic rounding) across CUDA launches and
-chunks, on every backend (tests/backends.py): quantisation blocks at chunk edges and tensor tails, lists
+chunks, on every backend (tests/ops/backends.py): quantisation blocks at chunk edges and tensor tails, lists
 overflowing a launch's metadata at the variant's depth (its scales and rounding-key rows travel with
 their tensor), a tensor continuing in the next launch, unaligned lists, a param split into entries at
 any block boundary, the inf/nan skip, and the launch counts for 10,000 tensors.

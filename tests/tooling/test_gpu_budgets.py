@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_budgets", ROOT / "tools" / "gpu_budgets.py")
 gb = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_budgets"] = gb  # dataclasses look their module up by name
