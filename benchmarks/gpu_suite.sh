@@ -246,7 +246,7 @@ main() {
   # 234 s on the H200 of 2026-11-26 (MAX_JOBS=16), the low-precision kernels the long poles: room for
   # their rewrite's per-format loop versions. The suite's deadline still bounds the stages after it.
   run_stage build 330 build
-  run_stage pytest 210 pytest_cuda
+  run_stage pytest 300 pytest_cuda
   run_stage lowprec 90 bench_lowprec
   run_stage bench 150 bench
   run_stage step 120 bench_step
