@@ -5,7 +5,7 @@ final validation loss with its spread, optimizer state bytes and time per step.
     python benchmarks/bench_lowprec_train.py --out DIR [--seeds 0 1 2] [--steps 120] [--threads 1]
 
 One process (world size 1: every step's global batch, as the job's ranks take it together), FusedAdam
-(the formats DistributedFusedAdam shares: distopt/moment_formats.py; and bf16 weights without fp32
+(the formats DistributedFusedAdam shares: distopt/lowprec/formats.py; and bf16 weights without fp32
 masters, rounded to nearest or stochastically) against torch.optim.AdamW and,
 if installed, torchao's AdamW8bit (8-bit blockwise state, the same format as torch.uint8 here; its
 update is compiled with torch.compile, also on the CPU). Each contender starts from the same init and

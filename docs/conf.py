@@ -17,8 +17,8 @@ root_doc = "docs/index"
 
 # The source folder is the repository root: only these Markdown files are pages, and the folders that hold
 # none are not walked.
-include_patterns = ["README.md", "docs/**.md", "benchmarks/README.md"]
-exclude_patterns = [".*", "build", "build-*", "dist", "csrc", "distopt", "tests", "examples", "tools",
+include_patterns = ["README.md", "docs/**.md", "benchmarks/README.md", "csrc/README.md"]
+exclude_patterns = [".*", "build", "build-*", "dist", "distopt", "tests", "examples", "tools",
                     "benchmarks/results", "*.egg-info"]
 
 myst_heading_anchors = 4          # [text](page.md#a-heading) links, as code hosts make them
