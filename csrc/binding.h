@@ -65,7 +65,8 @@ std::string shape_string(const Tensor& t);
 
 // A tensor's properties as the C shim reports them, read once per op call (Note [Raw tensor properties]
 // in binding.cpp): raw dtype, device and layout codes, sizes and strides borrowed from the tensor.
-struct RawTensor {
+// Hidden like torch::stable::Tensor (torch's headers hide it), which it points to: GCC warns otherwise.
+struct __attribute__((visibility("hidden"))) RawTensor {
   int32_t dtype = 0;
   int32_t device_type = 0;
   int32_t device_index = 0;
