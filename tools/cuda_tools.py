@@ -1,6 +1,6 @@
 """The CUDA toolchain as tools/gpu_budgets.py and tools/hot_loops.py use it: finding nvcc, cuobjdump, nvdisasm
 and a demangler, the real build's nvcc command (csrc/build_config.py), ptxas's resource report, a cubin's
-symbols, and the end of a budget tool's run."""
+symbols, the per-architecture cells of their reports, and the end of a budget tool's run."""
 
 from __future__ import annotations
 
@@ -11,10 +11,25 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def group_by_arch(records: Iterable[Any], key: str) -> dict[str, dict[str, Any]]:
+    """Report records (each with an ``arch``) by their ``key`` attribute, then by architecture, in order."""
+    grouped: dict[str, dict[str, Any]] = {}
+    for r in records:
+        grouped.setdefault(getattr(r, key), {})[r.arch] = r
+    return grouped
+
+
+def arch_cell(by_arch: dict[str, Any], archs: list[str], fmt: Callable[[Any], str]) -> str:
+    """One report cell: ``fmt`` of each architecture's record, joined by ' · ' in ``archs`` order ('-' if absent)."""
+    return " · ".join(fmt(by_arch[a]) if a in by_arch else "-" for a in archs)
 
 
 def find_nvcc(csrc: Path | None = None) -> str | None:

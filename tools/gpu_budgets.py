@@ -58,12 +58,14 @@ DEFAULT_ARCHS = ("sm_80", "sm_90")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_tools import (  # noqa: E402  (re-exported: the tests use them through this module)
+    arch_cell,
     base_command,
     demangle,
     find_cuobjdump,
     find_demangler,
     find_nvcc,
     finish,
+    group_by_arch,
     load_build_config,
     parse_ptxas,
     tool_version,
@@ -357,12 +359,10 @@ def block_size(csrc: Path) -> int:
 # ---- Report -----------------------------------------------------------------------------------------
 def table(kernels: list[Kernel], archs: list[str]) -> str:
     """Markdown table: one row per instantiation, per-arch values joined by ' · ' in `archs` order."""
-    rows: dict[str, dict[str, Kernel]] = {}
-    for k in kernels:
-        rows.setdefault(k.name, {})[k.arch] = k
+    rows = group_by_arch(kernels, "name")
 
     def per_arch(by_arch: dict[str, Kernel], fmt) -> str:
-        return " · ".join(fmt(by_arch[a]) if a in by_arch else "-" for a in archs)
+        return arch_cell(by_arch, archs, fmt)
 
     params = f"{PARAMS:.0e}".replace("e+0", "e")
     head = [f"instantiation ({' · '.join(archs)})", "registers", "spill B", "occupancy", "128-bit ld/st (per step)",

@@ -33,11 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_tools import (  # noqa: E402
+    arch_cell,
     base_command,
     find_cuobjdump,
     find_nvcc,
     find_nvdisasm,
     finish,
+    group_by_arch,
     load_build_config,
     parse_ptxas,
     tool_version,
@@ -189,12 +191,10 @@ def run(csrc: Path, archs: list[str], cache_dir: Path) -> list[Row]:
 
 def table(rows: list[Row], archs: list[str]) -> str:
     """Markdown: one row per variant, per-arch values joined by ' · ' in `archs` order."""
-    by_variant: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        by_variant.setdefault(r.variant, {})[r.arch] = r
+    by_variant = group_by_arch(rows, "variant")
 
     def cell(by_arch: dict[str, Row], fmt) -> str:
-        return " · ".join(fmt(by_arch[a]) if a in by_arch else "-" for a in archs)
+        return arch_cell(by_arch, archs, fmt)
 
     head = [f"fast path, fp32 params ({' · '.join(archs)})", "SASS / element", "integer/logic", "FP", "shared loads",
             "Philox / call", "loads first", "registers", "local B", "budget"]  # fmt: skip
