@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import dtensor
+from .. import dtensor, ops
 from ..kernel_views import layout_strides, needs_view
 from .moments import MomentState, element_offset
 
@@ -90,6 +90,11 @@ class Call:
                                       ("exp_avg_sq_absmax", self.exp_avg_sq_scales)) if t]
         return lists + ([("param", self.params)] if self.param_outs else [])
 
+    def kernel_tensors(self) -> list[Tensor]:
+        """The tensors of the call's lists that are the same every step (all but the grads)."""
+        return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.param_outs, *self.exp_avg_scales,
+                *self.exp_avg_sq_scales, *self.steps]
+
     def dtypes(self) -> set[torch.dtype]:
         """The dtypes of the planned params now."""
         return set(map(_dtype, self.model_params))
@@ -121,6 +126,9 @@ class StepPlan:
     unplanned: list[Tensor]  # params that had no gradient when the plan was built
     params: list[Tensor]  # every group's params, in order, when the plan was built
     entries: list[dict[str, Any]]  # the state's per-param dicts, in its order, when the plan was built
+    # One C++ reference to every tensor the calls pass each step, which keeps a per-tensor GIL round trip
+    # out of each kernel call (ops.hold_references).
+    held: object = None
 
     def current(self, key: tuple, groups: list[dict[str, Any]], state: Any, check_first: bool
                 ) -> list[tuple[Call, list[Tensor]]] | None:
@@ -210,7 +218,8 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
     planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
-    return StepPlan(key, planned, unplanned, params, list(state.values()))
+    held = ops.hold_references(t for c in planned for t in c.kernel_tensors())
+    return StepPlan(key, planned, unplanned, params, list(state.values()), held)
 
 
 @dataclass

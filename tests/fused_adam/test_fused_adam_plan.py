@@ -186,6 +186,38 @@ def test_negative_control_the_general_step_works_per_param():
     assert python_calls_per_step(300, planned=False) > python_calls_per_step(10, planned=False) + 290
 
 
+def test_plan_holds_a_cpp_reference_to_what_it_passes_and_lets_go_with_the_optimizer():
+    """The plan keeps one C++ reference to each param and state tensor it passes (ops.hold_references: a
+    kernel call then drops no tensor's last C++ reference, which would take the GIL once per tensor);
+    they are released with the optimizer, and the params can be freed."""
+    import gc
+    import weakref
+
+    params, opt = stepped(3)
+    dense = [p for p in params if p.is_floating_point() and p.is_contiguous()]
+    moments = [opt.state[p][k] for p in dense for k in ("exp_avg", "exp_avg_sq")]
+    counts = [t._use_count() for t in [*dense, *moments]]  # (the masters of 16-bit params are held too)
+    assert len(counts) == 3 * len(dense) > 0 and min(counts) >= 2, counts
+    unheld = [t._use_count() for t in (torch.randn(3), dense[0].detach().clone())]
+    assert unheld == [1, 1]  # negative control: a tensor that only Python holds counts one
+    refs = [weakref.ref(p) for p in params]
+    del params, dense, moments, opt
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, alive
+
+
+def test_hold_references():
+    from distopt import ops
+
+    assert ops.hold_references([]) is None
+    t = torch.randn(3)
+    holder = ops.hold_references(iter([t, t]))
+    assert t._use_count() == 3
+    del holder
+    assert t._use_count() == 1
+
+
 def test_bad_grad_in_the_steady_state_is_refused_before_anything_changes():
     params, opt = stepped(3)
     before = [p.detach().clone() for p in params], {k: v.clone() for k, v in opt.state[params[0]].items()}
