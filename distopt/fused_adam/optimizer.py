@@ -318,6 +318,7 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
         staged = ()
         if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/kernel_views.py)
             lists, staged = views.kernel_lists(**lists)
+        _references = call.grad_references(grads)  # (kept until this call returns)
         lists.update(self._moments.call_kwargs(call.exp_avg_scales, call.exp_avg_sq_scales, call.param_ids,
                                                call.param_offsets, group))
         if self.capturable:

@@ -95,6 +95,11 @@ class Call:
         return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.param_outs, *self.exp_avg_scales,
                 *self.exp_avg_sq_scales, *self.steps]
 
+    def grad_references(self, grads: list[Tensor]) -> object | None:
+        """What holds `grads` in C++ for the kernel call (ops.hold_references), if they need it: a plain
+        param's ``.grad`` is held by the param itself."""
+        return None
+
     def dtypes(self) -> set[torch.dtype]:
         """The dtypes of the planned params now."""
         return set(map(_dtype, self.model_params))
@@ -265,6 +270,11 @@ class ShardedCall(Call):
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         return self.held
+
+    def grad_references(self, grads: list[Tensor]) -> object | None:
+        # The grads' local shards are held by their DTensors' Python objects only: held for the call
+        # (not longer, which would keep zero_grad()'s freed grads alive), it saves a GIL round trip each.
+        return ops.hold_references(grads)
 
     def dtypes(self) -> set[torch.dtype]:
         return set(map(_dtype, self.param_shards))  # a DTensor's own getters cost twice a plain tensor's

@@ -244,3 +244,42 @@ def test_planned_steps_match_the_general_step_on_cuda(capturable):
 
     for a, b in zip(train(True), train(False)):
         assert torch.equal(a, b)
+
+
+def sharded_grad_references(rank: int, world_size: int) -> dict[str, list[int]]:
+    """C++ use counts of an FSDP2 model's grad shards during the planned kernel call and after the step."""
+    from distopt import ops
+
+    from dtensor_models import batch, fsdp
+
+    model, _ = fsdp(0, rank, world_size)
+    opt = FusedAdam(model.parameters())
+    counts: dict[str, list[int]] = {}
+    op = ops.adam_step_
+
+    def counting(params, grads, *args, **kwargs):
+        counts["during"] = [g._use_count() for g in grads]
+        return op(params, grads, *args, **kwargs)
+
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x), y.expand(8, -1)).backward()
+        if step == 2:  # planned
+            ops.adam_step_ = counting
+        try:
+            opt.step()
+        finally:
+            ops.adam_step_ = op
+    counts["after"] = [p.grad._local_tensor._use_count() for p in model.parameters()]
+    return counts
+
+
+def test_sharded_grads_are_held_for_the_kernel_call_only():
+    """A DTensor grad's local shard is held by Python only: the planned call holds it in C++ while the
+    kernel runs (see ops.hold_references) and lets go after, so zero_grad() still frees it."""
+    from harness import run_ranks
+
+    for counts in run_ranks(sharded_grad_references, 2, timeout=120):
+        assert counts["during"] and min(counts["during"]) >= 2, counts
+        assert counts["after"] == [1] * len(counts["after"]), counts  # (and the negative control of the above)
