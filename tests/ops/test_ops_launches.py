@@ -346,7 +346,8 @@ ADAM_DEPTH, ADAM_MIXED_DEPTH, ADAM_CAPTURABLE_DEPTH = 4, 5, 5
 # too). The 10,000 tensors' counts (EXPECTED_LAUNCHES, which docs/architecture.md quotes) are checked
 # against the build's slots without emulating them; the long version emulates all 10,000 (here 70 s for
 # this file's four cuda-emulated cases, 146 s with test_ops_states_launches.py's two).
-LAUNCH_COUNT_SIZES = ["three_launches", "10000_tensors"]
+# Marked slow, so that `-m slow` selects it (and only it) too.
+LAUNCH_COUNT_SIZES = ["three_launches", pytest.param("10000_tensors", marks=pytest.mark.slow)]
 
 
 def launch_count_tensors(request: pytest.FixtureRequest) -> int | None:
