@@ -1,9 +1,11 @@
-// A C interface to the CPU kernels (csrc/cpu), for tests/test_fma_build.py, which compiles them with
+// A C interface to the CPU kernels (csrc/cpu), for tests/ops/test_fma_build.py, which compiles them with
 // other flags (-mfma) into a plain shared library loaded with ctypes. No ATen: parallel_for is a
 // serial loop over grain-sized ranges here, which also cuts the work at other places than
 // at::parallel_for does.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #include "cpu/parallel.h"
 #include "kernels.h"
@@ -12,6 +14,14 @@ namespace distopt {
 void parallel_for_impl(int64_t begin, int64_t end, int64_t grain, RangeFn fn, void* ctx) {
   grain = std::max<int64_t>(grain, 1);
   for (int64_t b = begin; b < end; b += grain) fn(ctx, b, std::min(end, b + grain));
+}
+
+// The shim's builds leave out cpu/adam_states.cpp, the low-precision-moment loops: they take minutes to
+// compile and shim_adam passes fp32 moments only, so adam_cpu never calls them. adam_cpu still names
+// them: this stands in, and stops the process loudly if a caller ever does reach it.
+void adam_states_cpu(const TensorLists&, const AdamArgs&) {
+  std::fputs("cpu_kernels_shim: adam_states_cpu (8-bit/bf16 moments) is not built into the shim\n", stderr);
+  std::abort();
 }
 }  // namespace distopt
 

@@ -1,7 +1,8 @@
 """How the multi-tensor ops split work into CUDA launches, on every backend (tests/ops/backends.py): lists
 that overflow a launch's metadata (tensor slots, blocks) at each kind of boundary, a tensor continuing
 in the next launch, per-list alignments and offsets, empty tensors, the capturable op's step row,
-l2norm's workspace across its per-tensor launches, and the launch counts for 10,000 tensors.
+l2norm's workspace across its per-tensor launches, and the launch counts for many tensors (three launches'
+worth by default, 10,000 in the long version).
 
 The sizes come from the launch constants of the build (distopt._C_emulated.constants(), i.e.
 csrc/cuda/multi_tensor_apply.cuh) for the metadata size in use: 4 KiB or 32K (32,764 bytes), which the
@@ -319,7 +320,7 @@ def test_l2norm_workspace_across_per_tensor_launches(backend: Backend, small_met
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launch counts for 10,000 tensors (issue 10, item 4)
+# Launch counts for many tensors (issue 10, item 4)
 # ----------------------------------------------------------------------------------------------------
 
 TENSORS = 10_000
@@ -331,6 +332,48 @@ EXPECTED_LAUNCHES = {
     "32K": {"adam": 15, "adam mixed": 17, "adam capturable": 17, "l2norm": (7, 3, 1), "scale": 10},
 }
 H100_WAVE = 132 * 2  # resident 512-thread blocks of the Adam kernel (64 registers: two per SM)
+# Tensors per launch of l2norm's per-tensor pass (csrc/cuda/l2norm.cu, CleanupMeta's kTensors - 1).
+PER_TENSOR_SLOTS = {"4KiB": 399, "32K": 3999}
+# Depths: Adam eager fp32 (params, grads, moments), with param_outs (mixed) or a step row (capturable).
+ADAM_DEPTH, ADAM_MIXED_DEPTH, ADAM_CAPTURABLE_DEPTH = 4, 5, 5
+
+
+# The default run emulates "three launches' worth" of one-chunk tensors (at the op's shallowest depth two
+# full launches and one more tensor; deeper variants take more launches) and checks every launch's grid:
+# each full launch ends with its tensor slots full at a tensor's last chunk (with 32K metadata its blocks
+# full at the same time), as every launch but the last does for 10,000 tensors, so one slot fewer or more
+# per launch fails here (a launch count alone could not tell: 2 * 49 + 1 tensors take 3 launches of 48
+# too). The 10,000 tensors' counts (EXPECTED_LAUNCHES, which docs/architecture.md quotes) are checked
+# against the build's slots without emulating them; the long version emulates all 10,000 (here 70 s for
+# this file's four cuda-emulated cases, 146 s with test_ops_states_launches.py's two).
+# Marked slow, so that `-m slow` selects it (and only it) too.
+LAUNCH_COUNT_SIZES = ["three_launches", pytest.param("10000_tensors", marks=pytest.mark.slow)]
+
+
+def launch_count_tensors(request: pytest.FixtureRequest) -> int | None:
+    """For a launch-count test's fixture parametrised by LAUNCH_COUNT_SIZES: how many tensors it emulates,
+    None for three launches' worth (the test sizes them from the slots), or 10,000 (the long version:
+    ``-m slow`` or DISTOPT_SLOW=1)."""
+    if request.param == "three_launches":
+        return None
+    request.getfixturevalue("long_version")
+    return TENSORS
+
+
+@pytest.fixture(params=LAUNCH_COUNT_SIZES)
+def n_tensors(request: pytest.FixtureRequest) -> int | None:
+    return launch_count_tensors(request)
+
+
+def three_launches(limits: dict, depth: int) -> int:
+    """One-chunk tensors that take three launches at ``depth``: two full ones and one more tensor."""
+    return 2 * slots_and_blocks(limits, depth)[0] + 1
+
+
+def packed(n: int, slots: int) -> list[int]:
+    """The grids of ``n`` one-chunk tensors at ``slots`` tensors a launch (their blocks never run out
+    first: 4 KiB metadata has more blocks than slots, 32K as many)."""
+    return [slots] * (n // slots) + ([n % slots] if n % slots else [])
 
 
 def launches_of(backend: Backend, run) -> dict[str, list[int]]:
@@ -346,35 +389,49 @@ def expected_launches(backend: Backend, meta: dict) -> dict:
     return EXPECTED_LAUNCHES["32K" if meta["large_kernel_params"] else "4KiB"]
 
 
-def test_adam_launch_counts_for_10000_tensors(backend: Backend, meta: dict) -> None:
-    """10,000 tensors of 4,096 elements: the Adam update's launches with either metadata size.
+def test_adam_launch_counts(n_tensors: int | None, backend: Backend, meta: dict) -> None:
+    """Tensors of 4,096 elements: the Adam update's launches with either metadata size.
 
     The tensors here have 7 elements: a launch's tensors and blocks depend only on each tensor's chunk
     count, which is 1 for any size up to 65,536, so 4,096-element tensors give the same counts (tensors
     of k chunks need k times the blocks, and more launches where the blocks run out first). With 32K
     metadata every launch but the last carries at least one full H100 wave of blocks."""
     expected = expected_launches(backend, meta)
-    sizes = [7] * TENSORS
+    depths = {"adam": ADAM_DEPTH, "adam mixed": ADAM_MIXED_DEPTH, "adam capturable": ADAM_CAPTURABLE_DEPTH}
+    slots = {d: slots_and_blocks(meta, d)[0] for d in depths.values()}
+    assert all(expected[k] == math.ceil(TENSORS / slots[d]) for k, d in depths.items()), (expected, slots)
+    n = n_tensors or three_launches(meta, ADAM_DEPTH)
+    sizes = [7] * n
     fp32 = make_adam_state(sizes, FP32, FP32)
     adam = launches_of(backend, lambda: run_adam(fp32, step=3))["adam"]
-    assert len(adam) == expected["adam"] == math.ceil(TENSORS / slots_and_blocks(meta, 4)[0])
+    assert adam == packed(n, slots[ADAM_DEPTH]), adam
     mixed = make_adam_state(sizes, FP32, BF16, BF16)
-    assert len(launches_of(backend, lambda: run_adam(mixed, step=3))["adam"]) == expected["adam mixed"]
-    steps = [scalar(3.0)] * TENSORS
-    capturable = launches_of(backend, lambda: run_adam_capturable(fp32, lr=scalar(HYPER["lr"]), steps=steps))
-    assert len(capturable["adam"]) == expected["adam capturable"] == math.ceil(TENSORS / slots_and_blocks(meta, 5)[0])
+    mixed_grids = launches_of(backend, lambda: run_adam(mixed, step=3))["adam"]
+    assert mixed_grids == packed(n, slots[ADAM_MIXED_DEPTH]), mixed_grids
+    steps = [scalar(3.0)] * n
+    capturable = launches_of(backend, lambda: run_adam_capturable(fp32, lr=scalar(HYPER["lr"]), steps=steps))["adam"]
+    assert capturable == packed(n, slots[ADAM_CAPTURABLE_DEPTH]), capturable
     if meta["large_kernel_params"]:
-        assert min(adam[:-1] + capturable["adam"][:-1]) >= H100_WAVE
+        assert min(adam[:-1] + capturable[:-1]) >= H100_WAVE
 
 
-def test_l2norm_and_scale_launch_counts_for_10000_tensors(backend: Backend, meta: dict) -> None:
-    """10,000 one-chunk tensors: l2norm's launches (chunk sums, per-tensor sums, total) and scale_'s, with
-    either metadata size (the emulated block reductions make this the slowest test here, ~10 s each)."""
+def test_l2norm_and_scale_launch_counts(n_tensors: int | None, backend: Backend, meta: dict) -> None:
+    """One-chunk tensors: l2norm's launches (chunk sums, per-tensor sums, total) and scale_'s, with either
+    metadata size. l2norm's three launches' worth is at least one tensor more than its per-tensor pass
+    takes in one launch (4,000 with 32K metadata: the emulated block reductions make this the slowest of
+    these tests)."""
     expected = expected_launches(backend, meta)
-    sizes = [7] * TENSORS
-    tensors = randn_list(sizes, FP32)
+    per_tensor_slots = PER_TENSOR_SLOTS["32K" if meta["large_kernel_params"] else "4KiB"]
+    chunk_slots, scale_slots = slots_and_blocks(meta, 1)[0], slots_and_blocks(meta, 2)[0]
+    assert expected["l2norm"] == (math.ceil(TENSORS / chunk_slots), math.ceil(TENSORS / per_tensor_slots), 1)
+    assert expected["scale"] == math.ceil(TENSORS / scale_slots)
+    n = n_tensors or max(three_launches(meta, 1), per_tensor_slots + 1)
+    tensors = randn_list([7] * n, FP32)
     norm = launches_of(backend, lambda: ops.l2norm(tensors))
-    assert tuple(len(norm[k]) for k in ("l2norm", "l2norm per-tensor", "l2norm total")) == expected["l2norm"]
-    outputs = randn_list(sizes, BF16)
-    scale = launches_of(backend, lambda: ops.scale_(tensors, outputs, scalar(GRAD_SCALE)))["scale"]
-    assert len(scale) == expected["scale"]
+    assert norm["l2norm"] == packed(n, chunk_slots), norm["l2norm"]
+    assert norm["l2norm per-tensor"] == packed(n, per_tensor_slots), norm["l2norm per-tensor"]
+    assert norm["l2norm total"] == [1]
+    m = n_tensors or three_launches(meta, 2)
+    outputs = randn_list([7] * m, BF16)
+    scale = launches_of(backend, lambda: ops.scale_(tensors[:m], outputs, scalar(GRAD_SCALE)))["scale"]
+    assert scale == packed(m, scale_slots), scale

@@ -2,7 +2,8 @@
 chunks, on every backend (tests/ops/backends.py): quantisation blocks at chunk edges and tensor tails, lists
 overflowing a launch's metadata at the variant's depth (its scales and rounding-key rows travel with
 their tensor), a tensor continuing in the next launch, unaligned lists, a param split into entries at
-any block boundary, the inf/nan skip, and the launch counts for 10,000 tensors.
+any block boundary, the inf/nan skip, and the launch counts for many tensors (three launches' worth by
+default, 10,000 in the long version).
 
 Under "cuda-emulated" (and "cuda") every call is also checked bit for bit against the CPU kernel
 (backends.CrossCheck): codes, scales, bf16 moments and stochastically rounded params included. The
@@ -23,7 +24,16 @@ from distopt import state_formats as sf
 
 from backends import Backend
 from op_helpers import BF16, CHUNK, FP16, FP32, GRAD_SCALE, HYPER, AdamState, assert_bits_equal, make_adam_state, scalar
-from test_ops_launches import emulated_constants, expected_launches, launch_log, slots_and_blocks
+from test_ops_launches import (
+    LAUNCH_COUNT_SIZES,
+    emulated_constants,
+    expected_launches,
+    launch_count_tensors,
+    launch_log,
+    packed,
+    slots_and_blocks,
+    three_launches,
+)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -283,19 +293,26 @@ def test_states_slots_full_and_tensor_continues(backend: Backend, meta: dict) ->
 EXPECTED_STATES_LAUNCHES = {"4KiB": {"eager": 371, "capturable": 417}, "32K": {"eager": 25, "capturable": 27}}
 
 
-def test_states_launch_counts_for_10000_tensors(backend: Backend, meta: dict) -> None:
-    """10,000 small tensors with 8-bit moments: launches at the states variants' depths, eager and
-    capturable (the counts are the metadata's slots at those depths)."""
+@pytest.fixture(params=LAUNCH_COUNT_SIZES)
+def n_tensors(request: pytest.FixtureRequest) -> int | None:
+    return launch_count_tensors(request)  # three launches' worth, or 10,000 in the long version
+
+
+def test_states_launch_counts(n_tensors: int | None, backend: Backend, meta: dict) -> None:
+    """Small tensors with 8-bit moments: launches at the states variants' depths, eager and capturable
+    (every launch's grid: the metadata's slots at those depths). Three launches' worth at the eager depth
+    by default, 10,000 tensors in the long version (why: test_ops_launches, above test_adam_launch_counts);
+    EXPECTED_STATES_LAUNCHES, the 10,000 tensors' counts, against the build's slots either way."""
     expected_launches(backend, meta)  # skips off the emulator
-    key = "32K" if meta["large_kernel_params"] else "4KiB"
-    n = 10_000
+    want = EXPECTED_STATES_LAUNCHES["32K" if meta["large_kernel_params"] else "4KiB"]
+    eager_slots, capturable_slots = (slots_and_blocks(meta, d)[0] for d in (EAGER_DEPTH, EAGER_DEPTH + 1))
+    assert want == {"eager": math.ceil(10_000 / eager_slots), "capturable": math.ceil(10_000 / capturable_slots)}
+    n = n_tensors or three_launches(meta, EAGER_DEPTH)
     st = states([7] * n, U8, U8)
-    log = launch_log(backend)
+    launch_log(backend)
     st.run(rounding=False)
     eager = launch_log(backend)["adam states"]
     st.run(rounding=False, lr=scalar(HYPER["lr"]), steps=[scalar(4.0)] * n)
     capturable = launch_log(backend)["adam states"]
-    del log
-    want = EXPECTED_STATES_LAUNCHES[key]
-    assert len(eager) == want["eager"] == math.ceil(n / slots_and_blocks(meta, EAGER_DEPTH)[0])
-    assert len(capturable) == want["capturable"] == math.ceil(n / slots_and_blocks(meta, EAGER_DEPTH + 1)[0])
+    assert eager == packed(n, eager_slots), eager
+    assert capturable == packed(n, capturable_slots), capturable
