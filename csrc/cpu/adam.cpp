@@ -51,17 +51,7 @@ void adam_cpu(const TensorLists& tl, const AdamArgs& args) {
   }
   const std::vector<int64_t> offsets = flat_offsets(tl.numel);
   const AdamCtx ctx{AdamCall(tl, args), &offsets};
-  const bool has_remainder = !tl.lists[kRemainder].empty();
-  const CpuIsa isa = cpu_isa();
-
-  dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], has_remainder,
-                [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
-                  using Range = AdamRange<typename decltype(p_tag)::type, typename decltype(g_tag)::type,
-                                          typename decltype(o_tag)::type, decltype(remainders)::value>;
-                  parallel_for(0, offsets.back(), kGrainElements, [&](int64_t b, int64_t e) {
-                    run_for_isa<Range>(isa, static_cast<const AdamCtx*>(&ctx), b, e);
-                  });
-                });
+  run_adam_ranges<AdamRange>(tl, ctx, offsets.back(), kGrainElements);
 }
 
 }  // namespace distopt

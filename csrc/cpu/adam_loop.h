@@ -15,6 +15,7 @@
 #include "../kernels.h"
 #include "../math/adam.h"
 #include "isa.h"
+#include "parallel.h"
 
 namespace distopt {
 
@@ -98,5 +99,20 @@ struct ParamLists {
     adam_piece<P, G, NoList, kRem, M>(p + lo, g + lo, m, v, nullptr, r, n, c, gf);
   }
 };
+
+// The launch both traversals share: Range<P, G, O, kRem>::run(&ctx, b, e), its types chosen by the
+// params', grads' and param_outs' dtypes and whether there are remainders, over [0, total) in pieces of
+// `grain` spread over torch's threads, compiled for this CPU's vector ISA. (They differ in what they
+// count: adam.cpp elements, adam_states.cpp quantisation blocks.)
+template <template <typename, typename, typename, bool> class Range, typename Ctx>
+void run_adam_ranges(const TensorLists& tl, const Ctx& ctx, int64_t total, int64_t grain) {
+  const CpuIsa isa = cpu_isa();
+  dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], !tl.lists[kRemainder].empty(),
+                [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
+                  using R = Range<typename decltype(p_tag)::type, typename decltype(g_tag)::type,
+                                  typename decltype(o_tag)::type, decltype(remainders)::value>;
+                  parallel_for(0, total, grain, [&](int64_t b, int64_t e) { run_for_isa<R>(isa, &ctx, b, e); });
+                });
+}
 
 }  // namespace distopt

@@ -441,17 +441,7 @@ void adam_states_cpu(const TensorLists& tl, const AdamArgs& args) {
                       moment_list(args.exp_avg_format, tl.lists[kExpAvg], tl.lists[kExpAvgScale], true),
                       moment_list(args.exp_avg_sq_format, tl.lists[kExpAvgSq], tl.lists[kExpAvgSqScale], false), &args,
                       philox_keys(args.seed)};
-  const CpuIsa isa = cpu_isa();
-  constexpr int64_t kGrainBlocks = kGrainElements / kQuantBlock;
-
-  dispatch_adam(tl.lists[kParam], tl.lists[kGrad], tl.lists[kParamOut], !tl.lists[kRemainder].empty(),
-                [&](auto p_tag, auto g_tag, auto o_tag, auto remainders) {
-                  using Range = StatesRange<typename decltype(p_tag)::type, typename decltype(g_tag)::type,
-                                            typename decltype(o_tag)::type, decltype(remainders)::value>;
-                  parallel_for(0, block_offsets.back(), kGrainBlocks, [&](int64_t b, int64_t e) {
-                    run_for_isa<Range>(isa, static_cast<const StatesCtx*>(&ctx), b, e);
-                  });
-                });
+  run_adam_ranges<StatesRange>(tl, ctx, block_offsets.back(), kGrainElements / kQuantBlock);
 }
 
 }  // namespace distopt

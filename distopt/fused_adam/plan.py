@@ -11,10 +11,11 @@ getters, no Python loop per param), what the kernel does not: the groups hold th
 the state the planned tensors (identity checks: a param swapped into a group or a state tensor
 replaced by assignment would otherwise be missed), the params keep their dtypes, and no unplanned param
 got a gradient. The gradients themselves are checked by the kernel, which checks every list (a missing
-gradient, dtype, device, layout, shape, strides) before it writes anything: the first call's
-gradients are left to it (if it refuses them, that step goes the general way, nothing having changed);
-later calls' gradients are checked here before the first call runs (missing, the planned dtype, dense,
-the planned strides), so that a step is never left half done. Autograd and the ``.grad`` setter already
+gradient, dtype, device, layout, shape, strides; one dtype per list) before it writes anything: the
+first call's gradients, and its params' dtypes beyond the first param's, are left to it (if it refuses
+them, that step goes the general way, nothing having changed); later calls' are checked here before the
+first call runs (missing, the planned dtype, dense, the planned strides), so that a step is never left
+half done. Autograd and the ``.grad`` setter already
 give a gradient its param's device and shape. The plan itself is dropped when the optimizer's structure
 changes: param groups added or their param lists resized, the state loaded, replaced or given entries,
 the params' dtypes changed. Anything else (a gradient in another layout, a param that gained or lost
@@ -100,9 +101,10 @@ class Call:
         param's ``.grad`` is held by the param itself."""
         return None
 
-    def dtypes(self) -> set[torch.dtype]:
-        """The dtypes of the planned params now."""
-        return set(map(_dtype, self.model_params))
+    def dtypes(self, checked: bool) -> set[torch.dtype]:
+        """The dtypes of the planned params now; unless `checked`, the first param's only (the kernel
+        refuses a list of mixed dtypes before writing anything)."""
+        return set(map(_dtype, self.model_params)) if checked else {self.model_params[0].dtype}
 
     def grads(self, checked: bool) -> list[Tensor] | None:
         """The current grads, or None where they are not what the plan expects; `checked`: check here what
@@ -151,7 +153,8 @@ class StepPlan:
             return None
         out = []
         for index, call in enumerate(self.calls):
-            if call.dtypes() != {call.param_dtype}:
+            checked = check_first or index > 0 or call.viewed  # (views are built before the kernel)
+            if call.dtypes(checked) != {call.param_dtype}:
                 return None
             try:  # (itemgetter: a third of dict.get's time; a key gone raises KeyError)
                 for name, planned in call.state_lists():
@@ -162,7 +165,7 @@ class StepPlan:
             storage = call.step_storage
             if storage is not None and not bool((storage == storage[0]).all()):
                 return None  # a step count was changed in place: the general step takes each as it is
-            grads = call.grads(checked=check_first or index > 0 or call.viewed)  # (views are built before the kernel)
+            grads = call.grads(checked)
             if grads is None:
                 return None
             out.append((call, grads))
@@ -276,8 +279,9 @@ class ShardedCall(Call):
         # (not longer, which would keep zero_grad()'s freed grads alive), it saves a GIL round trip each.
         return ops.hold_references(grads)
 
-    def dtypes(self) -> set[torch.dtype]:
-        return set(map(_dtype, self.param_shards))  # a DTensor's own getters cost twice a plain tensor's
+    def dtypes(self, checked: bool) -> set[torch.dtype]:
+        # (the shards': a DTensor's own getters cost twice a plain tensor's)
+        return set(map(_dtype, self.param_shards)) if checked else {self.param_shards[0].dtype}
 
     def grads(self, checked: bool) -> list[Tensor] | None:
         if not all(map(operator.is_, map(_local, self.model_params), self.param_shards)):

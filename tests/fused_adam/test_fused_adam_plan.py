@@ -143,6 +143,33 @@ def test_planned_steps_match_the_general_step_bitwise():
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"step {step}: {key}"
 
 
+def dtype_change_run(planned: bool, changed: int, master_weights: bool) -> list[torch.Tensor]:
+    """Params and state after 5 steps of 3 fp32 params in one call, param `changed` made bf16 before step 3."""
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, generator=g)) for _ in range(3)]
+    opt = FusedAdam(params, master_weights=master_weights)
+    if not planned:
+        opt.register_step_pre_hook(lambda o, args, kwargs: setattr(o, "_plan", None))
+    for step in range(5):
+        if step == 3:
+            params[changed].data = params[changed].data.bfloat16()
+        for p in params:
+            p.grad = torch.randn(5, generator=g).to(p.dtype)
+        opt.step()
+    assert params[changed].dtype == torch.bfloat16
+    return [p.detach().clone() for p in params] + [v.clone() for s in opt.state.values() for v in s.values()]
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+@pytest.mark.parametrize("changed", [0, 1])
+def test_a_param_whose_dtype_changed_is_stepped_as_the_general_step_steps_it(changed, master_weights):
+    """The plan checks its first param's dtype; the kernel refuses a list of mixed dtypes before writing
+    anything, and that step goes the general way."""
+    planned, general = dtype_change_run(True, changed, master_weights), dtype_change_run(False, changed, master_weights)
+    assert len(planned) == len(general)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(planned, general))
+
+
 def test_state_keeps_torchs_format():
     params, opt = stepped(3)
     for p in params:
