@@ -62,7 +62,8 @@ SPELLINGS_NOT_RUN = {"py", "python3", "pycon", "ipython", "Python"}
 def is_doc_page(path: Path) -> bool:
     path = path.resolve()
     docs = ROOT / "docs"
-    return path.suffix == ".md" and (path == ROOT / "README.md" or (docs in path.parents and "_build" not in path.parts))
+    in_docs = docs in path.parents and "_build" not in path.parts
+    return path.suffix == ".md" and (path == ROOT / "README.md" or in_docs)
 
 
 @dataclass(frozen=True)

@@ -287,10 +287,12 @@ def test_bad_input_is_refused_before_anything_changes(results, case, match):
 # ------------------------------------------------------------------------------------- slow
 
 LEAK_STEPS, LEAK_FROM = 2000, 500  # counted between step LEAK_FROM (warm) and the last
-# Growth bounds over the 1,500 counted steps: a leak of one object a step exceeds MAX_OBJECTS, and one of
-# 1 KiB a step (1.46 MiB) MAX_RSS with room to spare (the negative control's measured 1.40 MiB were too
-# close to the 1.5 MiB this bound once was: freed heap can absorb part of a leak).
+# Growth bounds over the 1,500 counted steps (about 700 bytes a step of resident memory). The negative
+# control keeps one object and LEAK_BYTES of written memory a step: 5.9 MiB, which must read above
+# MAX_RSS. (It kept 1 KiB a step once, 1.46 MiB: freed heap absorbs part of a leak, and it read 1.40 MiB
+# in one run and 0.86 MiB in another, so it could not tell a leak from none against this bound.)
 MAX_OBJECTS, MAX_RSS = 10, 2**20
+LEAK_BYTES = 4096
 
 
 def footprint() -> tuple[int, int]:
@@ -304,7 +306,8 @@ def footprint() -> tuple[int, int]:
 
 def growth(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
     """Footprint growth over LEAK_STEPS training iterations (GradScaler, clipping, FSDP2), and the
-    negative control: the same steps (without forward and backward) with one 1 KiB tensor kept each."""
+    negative control: the same steps (without forward and backward) with one tensor of LEAK_BYTES kept
+    each, written (memory only reserved would not be resident)."""
     model, _ = fsdp(0, rank, world_size)
     opt = FusedAdam(groups(model))
     scaler = torch.amp.GradScaler("cpu")
@@ -323,7 +326,7 @@ def growth(rank: int, world_size: int) -> dict[str, tuple[int, int]]:
     end = footprint()
     out["training"] = (end[0] - start[0], end[1] - start[1])
     kept = []
-    opt.register_step_post_hook(lambda *args: kept.append(torch.empty(256)))
+    opt.register_step_post_hook(lambda *args: kept.append(torch.ones(LEAK_BYTES // 4)))
     for step in range(LEAK_STEPS):
         opt.step()
         if step + 1 == LEAK_FROM:
