@@ -16,6 +16,13 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
+// GCC 12's AVX-512 headers pass a deliberately undefined vector (a self-initialised `__Y`) as the
+// passthrough operand of some intrinsics (_mm512_cvtepu8_epi32, _mm512_max_epu32), and its
+// -Wmaybe-uninitialized then reports every inlined use here, about 300 warnings that are none of ours.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 #endif
 
