@@ -3,24 +3,23 @@ depend on changes, so that a steady-state ``step()`` does no Python work per par
 whole-list passes, whether the gradients are new tensors (``zero_grad()``'s default sets them to None
 and backward makes new ones) or the same ones as last step.
 
-A plan is built after a step that went the general (per-param) way, from the params that had a
-gradient then (their state exists by then). It holds, per kernel call (one per param group and
-combination of dtypes), the param, moment, master and step lists, and what it expects of the
-gradients. Each later step re-reads ``.grad`` and checks, with whole-list operations (``map`` over C
-getters, no Python loop per param), what the kernel does not: the groups hold the planned params and
-the state the planned tensors (identity checks: a param swapped into a group or a state tensor
-replaced by assignment would otherwise be missed), the params keep their dtypes, and no unplanned param
-got a gradient. The gradients themselves are checked by the kernel, which checks every list (a missing
-gradient, dtype, device, layout, shape, strides; one dtype per list) before it writes anything: the
-first call's gradients, and its params' dtypes beyond the first param's, are left to it (if it refuses
-them, that step goes the general way, nothing having changed); later calls' are checked here before the
-first call runs (missing, the planned dtype, dense, the planned strides), so that a step is never left
-half done. Autograd and the ``.grad`` setter already
-give a gradient its param's device and shape. The plan itself is dropped when the optimizer's structure
-changes: param groups added or their param lists resized, the state loaded, replaced or given entries,
-the params' dtypes changed. Anything else (a gradient in another layout, a param that gained or lost
-its gradient, a replaced tensor) takes the general way for that step, which raises the precise errors
-and builds a new plan.
+A plan is built after a step that went the general (per-param) way, from the params that had a gradient
+then (their state exists by then). It holds, per kernel call (one per param group and combination of
+dtypes), the param, moment, master and step lists, and what it expects of the gradients. Each later step
+re-reads ``.grad`` and checks, with whole-list operations (``map`` over C getters, no Python loop per
+param), what the kernel does not: the groups hold the planned params and the state the planned tensors
+(identity checks: a param swapped into a group or a state tensor replaced by assignment would otherwise
+be missed), the params keep their dtypes, and no unplanned param got a gradient. The gradients
+themselves are checked by the kernel, which checks every list (a missing gradient, dtype, device,
+layout, shape, strides; one dtype per list) before it writes anything: the first call's gradients, and
+its params' dtypes beyond the first param's, are left to it (if it refuses them, that step goes the
+general way, nothing having changed); later calls' are checked here before the first call runs (missing,
+the planned dtype, dense, the planned strides), so that a step is never left half done. Autograd and the
+``.grad`` setter already give a gradient its param's device and shape. The plan itself is dropped when
+the optimizer's structure changes: param groups added or their param lists resized, the state loaded,
+replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout, a
+param that gained or lost its gradient, a replaced tensor) takes the general way for that step, which
+raises the precise errors and builds a new plan.
 
 DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
 the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py);
