@@ -257,6 +257,51 @@ TensorList describe_scales(const Tensors& scales, const Tensors& states, const c
 
 }  // namespace
 
+// Note [Packed moments]
+// A moment list holds one tensor per param (its shape and strides) or, for more than one param, a single
+// packed tensor: 1-D, contiguous, fp32 or bf16, entry i's moment being the numel(params[i]) elements from
+// element packed_offset(i) on, in params[i]'s memory order (the order every list is walked in), where
+// packed_offset(0) = 0 and each next one is the last plus its numel rounded up to kPackAlign elements (so
+// that every entry starts 64-byte aligned for fp32, 32-byte for bf16; distopt/ops.py packed_offsets is the
+// same rule). Why: the tensors of an op's lists cross torch's stable ABI one by one (a new C++ handle, its
+// checks, its release: about a fifth of a microsecond each), the largest part of the host time of a call
+// over thousands of small params; a caller that keeps its moments packed (FusedAdam's step plan) passes
+// two tensors instead of two per param. 8-bit moments, whose absmax lists are per entry, are not packed.
+namespace {
+
+constexpr int64_t kPackAlign = 16;
+
+TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& ref, const std::vector<int64_t>& numel,
+                            const char* name) {
+  if (list.size() != 1 || ref.size() < 2) return describe(list, read_raw(list), ref, name, "state");
+  const RawTensor t = read_raw(list)[0];
+  const ScalarType dtype = list[0].scalar_type();
+  DISTOPT_CHECK(dtype == ScalarType::Float || dtype == ScalarType::BFloat16, name, ": expected ", ref.size(),
+                " tensors (one per param) or one packed fp32 or bf16 tensor, got one ", scalar_type_name(dtype),
+                " tensor (8-bit moments are passed one tensor per param)");
+  DISTOPT_CHECK(t.device_type == ref[0].device_type && t.device_index == ref[0].device_index, name,
+                " (packed) is on ", device_name(list[0].device()), ", expected ", device_name(ref[0].tensor->device()));
+  int64_t extent = 0;
+  for (const int64_t n : numel) extent += (n + kPackAlign - 1) / kPackAlign * kPackAlign;
+  DISTOPT_CHECK(t.layout == aoti_torch_layout_strided() && t.sizes.size() == 1 && (t.sizes[0] < 2 || t.strides[0] == 1) &&
+                    t.sizes[0] >= extent,
+                name, ": a packed moment tensor must be 1-D and contiguous with at least ", extent,
+                " elements (the params' numels, each rounded up to ", kPackAlign, "), got shape ", shape_string(list[0]));
+  TensorList out;
+  out.dtype = to_dtype(dtype);
+  const int64_t element_size = dtype == ScalarType::Float ? 4 : 2;
+  char* base = static_cast<char*>(t.data);
+  int64_t offset = 0;
+  out.data.reserve(numel.size());
+  for (const int64_t n : numel) {
+    out.data.push_back(base + offset * element_size);
+    offset += (n + kPackAlign - 1) / kPackAlign * kPackAlign;
+  }
+  return out;
+}
+
+}  // namespace
+
 TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
                           const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders,
                           const Tensors& exp_avg_scales, const Tensors& exp_avg_sq_scales) {
@@ -265,9 +310,9 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
   const std::vector<RawTensor> ref = read_raw(params);  // the partners every list is checked against
   tl.lists[kParam] = describe(params, ref, ref, "params", "float");
   tl.lists[kGrad] = describe(grads, read_raw(grads), ref, "grads", "float");
-  tl.lists[kExpAvg] = describe(exp_avgs, read_raw(exp_avgs), ref, "exp_avgs", "state");
-  tl.lists[kExpAvgSq] = describe(exp_avg_sqs, read_raw(exp_avg_sqs), ref, "exp_avg_sqs", "state");
   tl.numel = numels(ref);
+  tl.lists[kExpAvg] = describe_moments(exp_avgs, ref, tl.numel, "exp_avgs");  // Note [Packed moments]
+  tl.lists[kExpAvgSq] = describe_moments(exp_avg_sqs, ref, tl.numel, "exp_avg_sqs");
   const std::vector<void*>& p = tl.lists[kParam].data;
   if (!param_outs.empty()) {
     tl.lists[kParamOut] = describe(param_outs, read_raw(param_outs), ref, "param_outs", "float");

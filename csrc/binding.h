@@ -94,8 +94,9 @@ float* scalar_ptr(const OptionalTensor& t, const Device& device, const char* nam
 // The value of a one-element CPU tensor of any real dtype (what Tensor.item() gives).
 double cpu_scalar(const Tensor& t, const char* name);
 
-// adam_step_'s pieces: the lists (kernels.h's AdamList order, with the 8-bit moments' absmax lists), the
-// moments' formats (from their dtypes), the hyperparameters, lr and steps.
+// adam_step_'s pieces: the lists (kernels.h's AdamList order, with the 8-bit moments' absmax lists; a moment
+// list may be packed, Note [Packed moments] in binding.cpp), the moments' formats (from their dtypes), the
+// hyperparameters, lr and steps.
 TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Tensors& exp_avgs,
                           const Tensors& exp_avg_sqs, const Tensors& param_outs, const Tensors& param_remainders,
                           const Tensors& exp_avg_scales, const Tensors& exp_avg_sq_scales);

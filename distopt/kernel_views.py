@@ -12,6 +12,9 @@ copies it into a contiguous staging tensor, runs the kernel there and copies the
 copies for those params only. Params that need neither (``needs_view`` is False) go to the kernel as
 they are, in calls of their own (FusedAdam buckets the two kinds apart), so they pay nothing.
 
+A call's moments may also reach the kernel packed, each list one tensor holding every entry's moment at
+``packed_offsets`` (Note [Packed moments] in csrc/binding.cpp); ``packed_views`` are its entries.
+
 Everything here takes plain tensors. For a param that wraps another (a DTensor), pass the local
 tensor: that one may itself be complex or not dense, and gets the same treatment.
 """
@@ -40,6 +43,27 @@ def needs_view(p: Tensor) -> bool:
 
 # What FusedAdam takes for params and grads: the kernel's dtypes, and complex ones with such parts.
 DTYPES = FLOAT_DTYPES + (torch.complex64, torch.complex32)
+
+
+PACK_ALIGN = 16  # elements; csrc/binding.cpp's kPackAlign
+
+
+def packed_offsets(numels: Sequence[int]) -> tuple[list[int], int]:
+    """(each entry's first element, elements in all) of a packed moment tensor (``ops.adam_step_``) for
+    entries of `numels` elements: each starts where the last ended, rounded up to ``PACK_ALIGN`` elements."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += -(-n // PACK_ALIGN) * PACK_ALIGN
+    return offsets, total
+
+
+def packed_views(packed: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """The entries of a packed moment tensor for the dense tensors `like`, each shaped and strided as its
+    tensor there (its elements in that tensor's memory order)."""
+    offsets, _ = packed_offsets([t.numel() for t in like])
+    base = packed.storage_offset()
+    return [packed.as_strided(t.shape, t.stride(), base + o) for t, o in zip(like, offsets)]
 
 
 def state_dtype(p: Tensor) -> torch.dtype:

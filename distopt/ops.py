@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .kernel_views import PACK_ALIGN, packed_offsets  # noqa: F401  (the packed moments' rule, adam_step_)
 
 _SCHEMAS = {
     "adam_step_": (
@@ -227,6 +228,12 @@ def adam_step_(
       scales lists are empty for the other formats. ``lowprec.codecs.quantize_blockwise`` and
       ``lowprec.codecs.dequantize_blockwise`` convert to and from fp32 with the kernel's arithmetic, bit for
       bit (for checkpoints); ``lowprec.codecs.dynamic_map`` is the map.
+
+    Packed moments: with more than one param, ``exp_avgs`` (or ``exp_avg_sqs``) may instead be a list of
+    one 1-D contiguous fp32 or bf16 tensor holding every entry's moment back to back, entry ``i``'s the
+    ``params[i].numel()`` elements from ``packed_offsets(numels)[0][i]`` on, in ``params[i]``'s memory
+    order (views of it shaped and strided like the params are the per-param moments). It saves passing
+    a tensor per param, the largest host cost of a call over thousands of small params.
 
     An entry that is a slice of a larger param (a shard) must start at a multiple of 256 elements of the
     param for its 8-bit blocks to be the param's blocks: with 8-bit moments, ``param_offsets`` must be

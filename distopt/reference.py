@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .kernel_views import packed_offsets, packed_views
 from .lowprec import codecs
 from .lowprec.codecs import join_bf16_remainder, split_bf16_remainder  # (the op tests find them here too)
 
@@ -154,6 +155,7 @@ def adam_step_(
 ) -> None:
     if len(steps) not in (1, len(params)):
         raise ValueError(f"steps: expected one step tensor, or one per param ({len(params)}), got {len(steps)}")
+    exp_avgs, exp_avg_sqs = _unpacked(exp_avgs, params, "exp_avgs"), _unpacked(exp_avg_sqs, params, "exp_avg_sqs")
     per_param = list(steps) if len(steps) == len(params) else [steps[0]] * len(params)
     rounding = None
     if rounding_seed is not None:
@@ -163,6 +165,20 @@ def adam_step_(
     _adam(params, grads, exp_avgs, exp_avg_sqs, param_outs, param_remainders, lr, beta1, beta2, eps,
           weight_decay, per_param, adam_w_mode, grad_scale, found_inf, maximize, exp_avg_scales,
           exp_avg_sq_scales, rounding)
+
+
+def _unpacked(moments: Sequence[Tensor], params: Sequence[Tensor], name: str) -> Sequence[Tensor]:
+    """A packed moment list (``ops.adam_step_``) as its entries; any other list as it is."""
+    if len(moments) != 1 or len(params) < 2:
+        return moments
+    (packed,) = moments
+    total = packed_offsets([p.numel() for p in params])[1]
+    if packed.dtype not in (torch.float32, torch.bfloat16) or packed.dim() != 1 or packed.numel() < total or (
+            packed.numel() > 1 and packed.stride(0) != 1):
+        raise ValueError(f"{name}: expected {len(params)} tensors (one per param) or one packed fp32 or bf16 "
+                         f"tensor, 1-D and contiguous with at least {total} elements; got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    return packed_views(packed, params)
 
 
 def l2norm(tensors: Sequence[Tensor], found_inf: Tensor | None) -> tuple[Tensor, Tensor]:

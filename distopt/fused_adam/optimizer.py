@@ -259,6 +259,7 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
                 for index, (group, params, grads) in enumerate(work_round):
                     if params:
                         self._step_group(index, group, params, grads, grad_scale, found_inf)
+            self._plan = None  # (its tensors freed first: a new plan may repack the moments)
             self._plan = plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
         self._reset_grad_scaling()
         return loss
@@ -313,8 +314,7 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
         having changed; otherwise it raises."""
         group = self.param_groups[call.group]
         hyper = self._hyper(group, grad_scale)
-        lists = dict(params=call.params, grads=grads, exp_avgs=call.exp_avgs, exp_avg_sqs=call.exp_avg_sqs,
-                     param_outs=call.param_outs)
+        lists = dict(params=call.params, grads=grads, **call.moment_lists(), param_outs=call.param_outs)
         staged = ()
         if call.viewed:  # complex or not dense: their views and copies, made anew (distopt/kernel_views.py)
             lists, staged = views.kernel_lists(**lists)

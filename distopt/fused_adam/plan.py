@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import dtensor, ops
-from ..kernel_views import layout_strides, needs_view
+from ..kernel_views import layout_strides, needs_view, packed_offsets, packed_views
 from .moments import MomentState, element_offset
 
 _grad = operator.attrgetter("grad")
@@ -52,6 +52,12 @@ _local = operator.attrgetter("_local_tensor")  # a DTensor's local shard
 _spec = operator.attrgetter("_spec")
 _mesh = operator.attrgetter("mesh")  # of a spec
 _placements = operator.attrgetter("placements")
+_data_ptr = Tensor.data_ptr
+
+# Bytes of one call's moment list up to which the plan packs it (Note [Packed moments] in csrc/binding.cpp):
+# packing copies the list once into new memory, so it is bounded; what it saves, the kernel call's cost per
+# tensor, matters where there are many small params, whose moments are small.
+PACK_LIMIT = 64 << 20
 
 
 @dataclass
@@ -82,6 +88,10 @@ class Call:
     exp_avg_sq_scales: list[Tensor] = field(default_factory=list)
     param_ids: list[int] = field(default_factory=list)
     param_offsets: list[int] = field(default_factory=list)
+    # Packed moments (``pack_moments``): the one tensor a moment list is passed as, and the addresses of
+    # its views, by state key.
+    packed: dict[str, Tensor] = field(default_factory=dict)
+    packed_ptrs: dict[str, list[int]] = field(default_factory=dict)
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         """(state key, the planned tensors under it) for every state tensor the call uses."""
@@ -90,15 +100,25 @@ class Call:
                                       ("exp_avg_sq_absmax", self.exp_avg_sq_scales)) if t]
         return lists + ([("param", self.params)] if self.param_outs else [])
 
+    def moment_lists(self) -> dict[str, list[Tensor]]:
+        """The kernel's ``exp_avgs`` and ``exp_avg_sqs``: each list, or its packed tensor."""
+        return {"exp_avgs": [self.packed["exp_avg"]] if "exp_avg" in self.packed else self.exp_avgs,
+                "exp_avg_sqs": [self.packed["exp_avg_sq"]] if "exp_avg_sq" in self.packed else self.exp_avg_sqs}
+
     def kernel_tensors(self) -> list[Tensor]:
         """The tensors of the call's lists that are the same every step (all but the grads)."""
-        return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.param_outs, *self.exp_avg_scales,
-                *self.exp_avg_sq_scales, *self.steps]
+        moments = self.moment_lists()
+        return [*self.params, *moments["exp_avgs"], *moments["exp_avg_sqs"], *self.param_outs,
+                *self.exp_avg_scales, *self.exp_avg_sq_scales, *self.steps]
 
     def grad_references(self, grads: list[Tensor]) -> object | None:
         """What holds `grads` in C++ for the kernel call (ops.hold_references), if they need it: a plain
         param's ``.grad`` is held by the param itself."""
         return None
+
+    def addresses(self, name: str) -> list[int]:
+        """The data pointers of the state's `name` tensors now (their local shards' for DTensors)."""
+        return list(map(_data_ptr, map(operator.itemgetter(name), self.entries)))
 
     def dtypes(self, checked: bool) -> set[torch.dtype]:
         """The dtypes of the planned params now; unless `checked`, the first param's only (the kernel
@@ -157,9 +177,17 @@ class StepPlan:
                 return None
             try:  # (itemgetter: a third of dict.get's time; a key gone raises KeyError)
                 for name, planned in call.state_lists():
-                    if not all(map(operator.is_, map(operator.itemgetter(name), call.entries), planned)):
+                    if name not in call.packed and not all(map(operator.is_, map(operator.itemgetter(name),
+                                                                                 call.entries), planned)):
                         return None
-            except KeyError:
+                # A packed moment is checked by address instead: the kernel updates the memory at the
+                # planned addresses, which the state must hold. That catches a tensor replaced by
+                # assignment and a view given other memory (``.data =``, ``set_``: it keeps its identity);
+                # a tensor replaced by an alias of the same memory is updated through it.
+                for name, ptrs in call.packed_ptrs.items():
+                    if call.addresses(name) != ptrs:
+                        return None
+            except (KeyError, TypeError, AttributeError):  # (a state value replaced by another kind of value)
                 return None
             storage = call.step_storage
             if storage is not None and not bool((storage == storage[0]).all()):
@@ -224,9 +252,60 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
+            pack_moments(call)
+        release_old_packs(state, calls.values())
     planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
     held = ops.hold_references(t for c in planned for t in c.kernel_tensors())
     return StepPlan(key, planned, unplanned, params, list(state.values()), held)
+
+
+def pack_moments(call: Call) -> None:
+    """Packs each of the call's fp32 or bf16 moment lists into one tensor (Note [Packed moments] in
+    csrc/binding.cpp), whose views, shaped and strided as the moments were, become the state's: the
+    kernel call then passes two tensors instead of two per param. Values are copied once (lists already
+    packed so, by an earlier plan, are kept as they are); 8-bit moments, a list over ``PACK_LIMIT`` bytes,
+    and the lists of a call of views stay one tensor per param."""
+    if call.viewed or len(call.params) < 2:
+        return
+    for name, attr in (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")):
+        tensors = list(map(dtensor.local, getattr(call, attr)))  # (a DTensor param's: its local shards)
+        first = tensors[0]
+        numels = list(map(Tensor.numel, tensors))
+        offsets, total = packed_offsets(numels)
+        size = first.element_size()
+        if first.dtype not in (torch.float32, torch.bfloat16) or total * size > PACK_LIMIT:
+            continue
+        base = first.data_ptr()  # (an empty tensor's is 0)
+        if (base and list(map(_data_ptr, tensors)) == [base + o * size if n else 0 for o, n in zip(offsets, numels)]
+                and len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+                and (first.storage_offset() + total) * size <= first.untyped_storage().nbytes()
+                and set(map(_dtype, tensors)) == {first.dtype}):
+            # Packed by an earlier plan. (Each is laid out as its param: a plan is built after a general step,
+            # whose kernel call checked every state tensor's shape and strides against its param's.)
+            flat = first.as_strided((total,), (1,), first.storage_offset())
+        else:
+            flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            views = packed_views(flat, tensors)
+            torch._foreach_copy_(views, tensors)
+            for entry, p, view in zip(call.entries, call.model_params, views):
+                entry[name] = dtensor.like_param(p, lambda _local, v=view: v)
+            tensors = views
+            setattr(call, attr, [entry[name] for entry in call.entries])
+        call.packed[name] = flat
+        call.packed_ptrs[name] = list(map(_data_ptr, tensors))
+
+
+def release_old_packs(state: Any, calls: Any) -> None:
+    """Gives its own memory to each state moment left in a packed tensor that no call packs now (a param
+    without a gradient when the plan was rebuilt), so that it does not keep that whole tensor alive."""
+    live = {flat.untyped_storage().data_ptr() for call in calls for flat in call.packed.values()}
+    for p, entry in state.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = dtensor.local(entry.get(name))
+            if (type(t) is Tensor and t.dtype in (torch.float32, torch.bfloat16)  # (not 8-bit codes)
+                    and t.untyped_storage().nbytes() > t.nbytes and t.untyped_storage().data_ptr() not in live):
+                own = t.clone()  # (preserve_format: its param's strides)
+                entry[name] = dtensor.like_param(p, lambda _local, c=own: c)
 
 
 @dataclass
@@ -272,6 +351,9 @@ class ShardedCall(Call):
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         return self.held
+
+    def addresses(self, name: str) -> list[int]:
+        return list(map(_data_ptr, map(_local, map(operator.itemgetter(name), self.entries))))
 
     def grad_references(self, grads: list[Tensor]) -> object | None:
         # The grads' local shards are held by their DTensors' Python objects only: held for the call

@@ -1,7 +1,8 @@
 """FusedAdam's step plan (distopt/fused_adam/plan.py): the steady-state step reuses its kernel lists, does
 no Python work per param, and gives exactly the general step's bits through every change the plan
 must notice (grads replaced, kept, missing or in another layout; groups added; hyperparameters
-changed; state loaded; storage replaced; a step count edited in place), with complex params and
+changed; state loaded; storage replaced; packed moments given other memory or replaced; a step count
+edited in place), with complex params and
 params not dense in memory among the others (distopt/kernel_views.py)."""
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def scenario(opt: FusedAdam, params: list[nn.Parameter], extra: nn.Parameter) ->
             new = nn.Parameter(params[3].detach().clone() + 1)
             opt.param_groups[1]["params"][1] = new
             params[3] = new
+        if step == 2:  # packed moments (plan.pack_moments) given other memory, keeping their identity
+            m = opt.state[params[0]]["exp_avg"]
+            m.data = m.data * 0.5
+            v = opt.state[params[1]]["exp_avg_sq"]
+            v.set_(v.detach() * 2)
+        if step == 7:  # a packed moment replaced by assignment
+            opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"] * 0.5
         if step == 3:  # the same grad tensors, changed in place
             for p in params:
                 p.grad.mul_(0.5)
@@ -122,7 +130,7 @@ def scenario(opt: FusedAdam, params: list[nn.Parameter], extra: nn.Parameter) ->
     return snapshots
 
 
-def run(planned: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+def run(planned: bool, unchecked_addresses: bool = False) -> tuple[list[dict[str, torch.Tensor]], int]:
     params, extra = make_params(), nn.Parameter(torch.randn(9, generator=torch.Generator().manual_seed(5)))
     opt = FusedAdam(
         [{"params": params[:2]}, {"params": params[2:], "lr": 2e-3, "weight_decay": 0.0}], lr=1e-2, master_weights=True
@@ -130,17 +138,33 @@ def run(planned: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
     counter = Counter(opt)
     if not planned:  # the general step, every time
         opt.register_step_pre_hook(lambda o, args, kwargs: setattr(o, "_plan", None))
+    if unchecked_addresses:  # (a negative control: the plan's check of its packed moments removed)
+        def unchecked(o, args, kwargs) -> None:
+            for call in o._plan.calls if o._plan else ():
+                call.packed_ptrs.clear()
+
+        opt.register_step_pre_hook(unchecked)
     return scenario(opt, params, extra), counter.calls
+
+
+def mismatches(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> list[str]:
+    assert len(a) == len(b) and all(x.keys() == y.keys() for x, y in zip(a, b))
+    return [f"step {step}: {key}" for step, (x, y) in enumerate(zip(a, b)) for key in x
+            if not (x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]))]
 
 
 def test_planned_steps_match_the_general_step_bitwise():
     planned, calls = run(planned=True)
     general, none = run(planned=False)
     assert none == 0 and calls > 0, (calls, none)  # the plan was used, and only where enabled
-    for step, (a, b) in enumerate(zip(planned, general)):
-        assert a.keys() == b.keys(), step
-        for key in a:
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"step {step}: {key}"
+    assert mismatches(planned, general) == []
+
+
+def test_negative_control_packed_moments_unchecked_miss_what_the_scenario_changes():
+    """Without the plan's address check of its packed moments, the moments given other memory (step 2) are
+    missed: the planned steps go wrong from step 2 on."""
+    wrong = mismatches(run(planned=True, unchecked_addresses=True)[0], run(planned=False)[0])
+    assert wrong and min(int(w.split(":")[0].split()[1]) for w in wrong) == 2, wrong
 
 
 def dtype_change_run(planned: bool, changed: int, master_weights: bool) -> list[torch.Tensor]:
@@ -222,13 +246,15 @@ def test_plan_holds_a_cpp_reference_to_what_it_passes_and_lets_go_with_the_optim
 
     params, opt = stepped(3)
     dense = [p for p in params if p.is_floating_point() and p.is_contiguous()]
-    moments = [opt.state[p][k] for p in dense for k in ("exp_avg", "exp_avg_sq")]
-    counts = [t._use_count() for t in [*dense, *moments]]  # (the masters of 16-bit params are held too)
-    assert len(counts) == 3 * len(dense) > 0 and min(counts) >= 2, counts
+    # What the calls pass: the params (or masters), the moments (packed or one per param), the steps.
+    passed = [t for call in opt._plan.calls for t in call.kernel_tensors()]
+    assert all(any(t is p for t in passed) for p in dense)
+    counts = [t._use_count() for t in passed]
+    assert len(counts) > len(dense) and min(counts) >= 2, counts
     unheld = [t._use_count() for t in (torch.randn(3), dense[0].detach().clone())]
     assert unheld == [1, 1]  # negative control: a tensor that only Python holds counts one
     refs = [weakref.ref(p) for p in params]
-    del params, dense, moments, opt
+    del params, dense, passed, opt
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive == 0, alive

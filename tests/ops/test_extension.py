@@ -15,7 +15,8 @@ def test_compiled_cpu_kernels_registered():
 
 def test_fallback_without_extension_warns_once_and_computes():
     """With distopt._C unimportable, distopt imports with one RuntimeWarning and every op runs the
-    reference implementation (checked on an Adam step against reference.py directly)."""
+    reference implementation (checked on an Adam step against reference.py directly, and FusedAdam's
+    steps, with packed moments, against torch's AdamW)."""
     script = textwrap.dedent(
         """
         import sys, warnings
@@ -36,6 +37,18 @@ def test_fallback_without_extension_warns_once_and_computes():
         assert torch.equal(p, p2) and torch.equal(m, m2) and not torch.equal(p, torch.zeros(50))
         total, per = ops.l2norm([g])
         assert torch.allclose(total, g.norm())
+        from distopt import FusedAdam  # its planned steps pass packed moments (the reference unpacks them)
+        ps = [torch.nn.Parameter(torch.randn(n)) for n in (5, 17, 3)]
+        qs = [torch.nn.Parameter(x.detach().clone()) for x in ps]
+        opt, ref = FusedAdam(ps, lr=0.1), torch.optim.AdamW(qs, lr=0.1)
+        for i in range(4):
+            for a, b in zip(ps, qs):
+                a.grad = torch.randn(a.shape)
+                b.grad = a.grad.clone()
+            opt.step()
+            ref.step()
+        assert len({opt.state[x]["exp_avg"].untyped_storage().data_ptr() for x in ps}) == 1
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ps, qs))
         print("fallback ok")
         """
     )
