@@ -326,11 +326,11 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
             count_step(call.steps, found_inf)
             ops.adam_step_(**lists, lr=lr, step=call.steps, found_inf=found_inf, **hyper)
         else:
-            call.step_storage.add_(1)  # every param's step (views of it), counting this update
+            call.count_steps(1)  # every param's step (views of one tensor), counting this update
             try:  # (lr and the step: numbers read at launch)
                 ops.adam_step_(**lists, lr=float(group["lr"]), step=call.steps[0], **hyper)
             except (RuntimeError, TypeError, ValueError):
-                call.step_storage.sub_(1)  # the op checks everything before writing: undo the count
+                call.count_steps(-1)  # the op checks everything before writing: undo the count
                 if refusable:
                     return False
                 raise
