@@ -120,7 +120,7 @@ class Call:
         return None
 
     def addresses(self, name: str) -> list[int]:
-        """The data pointers of the state's `name` tensors now (their local shards' for DTensors)."""
+        """The data pointers of the state's `name` tensors now."""
         return list(map(_data_ptr, map(operator.itemgetter(name), self.entries)))
 
     def dtypes(self, checked: bool) -> set[torch.dtype]:
@@ -268,7 +268,8 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-            pack_moments(call)
+            if not dtensor.is_dtensor(call.model_params[0]):
+                pack_moments(call)
         release_old_packs(state, calls.values())
     planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
     held = ops.hold_references(t for c in planned for t in c.kernel_tensors())
@@ -280,11 +281,13 @@ def pack_moments(call: Call) -> None:
     csrc/binding.cpp), whose views, shaped and strided as the moments were, become the state's: the
     kernel call then passes two tensors instead of two per param. Values are copied once (lists already
     packed so, by an earlier plan, are kept as they are); 8-bit moments, a list over ``PACK_LIMIT`` bytes,
-    and the lists of a call of views stay one tensor per param."""
+    and the lists of a call of views stay one tensor per param. (Not for DTensor params: a DTensor over a
+    view that starts past its storage's first element cannot be deep-copied, torch's Tensor.__deepcopy__
+    taking it for one with storage, and torch.distributed.checkpoint's state dicts are deep-copied.)"""
     if call.viewed or len(call.params) < 2:
         return
     for name, attr in (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")):
-        tensors = list(map(dtensor.local, getattr(call, attr)))  # (a DTensor param's: its local shards)
+        tensors = getattr(call, attr)
         first = tensors[0]
         numels = list(map(Tensor.numel, tensors))
         offsets, total = packed_offsets(numels)
@@ -303,10 +306,10 @@ def pack_moments(call: Call) -> None:
             flat = torch.zeros(total, dtype=first.dtype, device=first.device)
             views = packed_views(flat, tensors)
             torch._foreach_copy_(views, tensors)
-            for entry, p, view in zip(call.entries, call.model_params, views):
-                entry[name] = dtensor.like_param(p, lambda _local, v=view: v)
+            for entry, view in zip(call.entries, views):
+                entry[name] = view
             tensors = views
-            setattr(call, attr, [entry[name] for entry in call.entries])
+            setattr(call, attr, views)
         call.packed[name] = flat
         call.packed_ptrs[name] = list(map(_data_ptr, tensors))
 
@@ -315,13 +318,12 @@ def release_old_packs(state: Any, calls: Any) -> None:
     """Gives its own memory to each state moment left in a packed tensor that no call packs now (a param
     without a gradient when the plan was rebuilt), so that it does not keep that whole tensor alive."""
     live = {flat.untyped_storage().data_ptr() for call in calls for flat in call.packed.values()}
-    for p, entry in state.items():
+    for entry in state.values():
         for name in ("exp_avg", "exp_avg_sq"):
-            t = dtensor.local(entry.get(name))
-            if (type(t) is Tensor and t.dtype in (torch.float32, torch.bfloat16)  # (not 8-bit codes)
+            t = entry.get(name)
+            if (type(t) is Tensor and t.dtype in (torch.float32, torch.bfloat16)  # (not DTensors, 8-bit codes)
                     and t.untyped_storage().nbytes() > t.nbytes and t.untyped_storage().data_ptr() not in live):
-                own = t.clone()  # (preserve_format: its param's strides)
-                entry[name] = dtensor.like_param(p, lambda _local, c=own: c)
+                entry[name] = t.clone()  # (preserve_format: its param's strides)
 
 
 @dataclass
@@ -367,9 +369,6 @@ class ShardedCall(Call):
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         return self.held
-
-    def addresses(self, name: str) -> list[int]:
-        return list(map(_data_ptr, map(_local, map(operator.itemgetter(name), self.entries))))
 
     def grad_references(self, grads: list[Tensor]) -> object | None:
         # The grads' local shards are held by their DTensors' Python objects only: held for the call
