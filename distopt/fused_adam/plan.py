@@ -9,7 +9,8 @@ dtypes), the param, moment, master and step lists, and what it expects of the gr
 re-reads ``.grad`` and checks, with whole-list operations (``map`` over C getters, no Python loop per
 param), what the kernel does not: the groups hold the planned params and the state the planned tensors
 (identity checks: a param swapped into a group or a state tensor replaced by assignment would otherwise
-be missed), the params keep their dtypes, and no unplanned param got a gradient. The gradients
+be missed; packed moments, below, by address), the params keep their dtypes, and no unplanned param got
+a gradient. The gradients
 themselves are checked by the kernel, which checks every list (a missing gradient, dtype, device,
 layout, shape, strides; one dtype per list) before it writes anything: the first call's gradients, and
 its params' dtypes beyond the first param's, are left to it (if it refuses them, that step goes the
@@ -20,6 +21,12 @@ the optimizer's structure changes: param groups added or their param lists resiz
 replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout, a
 param that gained or lost its gradient, a replaced tensor) takes the general way for that step, which
 raises the precise errors and builds a new plan.
+
+Each call's fp32/bf16 moments are packed (``pack_moments``): one tensor per moment list, of which the
+state holds views shaped like the params, so that the kernel takes two moment tensors instead of two per
+param (the op's packed form, Note [Packed moments] in csrc/binding.cpp). Each step checks that the state
+holds tensors at the packed addresses: a moment replaced by assignment, or given other memory by
+``.data =`` or ``set_()`` (which keep its identity), takes the general way, and the next plan packs again.
 
 DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
 the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py);
