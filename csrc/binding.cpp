@@ -262,8 +262,8 @@ TensorList describe_scales(const Tensors& scales, const Tensors& states, const c
 // packed tensor: 1-D, contiguous, fp32 or bf16, entry i's moment being the numel(params[i]) elements from
 // element packed_offset(i) on, in params[i]'s memory order (the order every list is walked in), where
 // packed_offset(0) = 0 and each next one is the last plus its numel rounded up to kPackAlign elements (so
-// that every entry starts 64-byte aligned for fp32, 32-byte for bf16; distopt/ops.py packed_offsets is the
-// same rule). Why: the tensors of an op's lists cross torch's stable ABI one by one (a new C++ handle, its
+// that every entry starts 64-byte aligned for fp32, 32-byte for bf16; distopt/kernel_views.py
+// packed_offsets, which distopt.ops exports, is the same rule). Why: the tensors of an op's lists cross torch's stable ABI one by one (a new C++ handle, its
 // checks, its release: about a fifth of a microsecond each), the largest part of the host time of a call
 // over thousands of small params; a caller that keeps its moments packed (FusedAdam's step plan) passes
 // two tensors instead of two per param. 8-bit moments, whose absmax lists are per entry, are not packed.

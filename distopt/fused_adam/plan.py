@@ -10,17 +10,16 @@ re-reads ``.grad`` and checks, with whole-list operations (``map`` over C getter
 param), what the kernel does not: the groups hold the planned params and the state the planned tensors
 (identity checks: a param swapped into a group or a state tensor replaced by assignment would otherwise
 be missed; packed moments, below, by address), the params keep their dtypes, and no unplanned param got
-a gradient. The gradients
-themselves are checked by the kernel, which checks every list (a missing gradient, dtype, device,
-layout, shape, strides; one dtype per list) before it writes anything: the first call's gradients, and
-its params' dtypes beyond the first param's, are left to it (if it refuses them, that step goes the
-general way, nothing having changed); later calls' are checked here before the first call runs (missing,
-the planned dtype, dense, the planned strides), so that a step is never left half done. Autograd and the
-``.grad`` setter already give a gradient its param's device and shape. The plan itself is dropped when
-the optimizer's structure changes: param groups added or their param lists resized, the state loaded,
-replaced or given entries, the params' dtypes changed. Anything else (a gradient in another layout, a
-param that gained or lost its gradient, a replaced tensor) takes the general way for that step, which
-raises the precise errors and builds a new plan.
+a gradient. The gradients themselves are checked by the kernel, which checks every list (a missing
+gradient, dtype, device, layout, shape, strides; one dtype per list) before it writes anything: the
+first call's gradients, and its params' dtypes beyond the first param's, are left to it (if it refuses
+them, that step goes the general way, nothing having changed); later calls' are checked here before the
+first call runs (missing, the planned dtype, dense, the planned strides), so that a step is never left
+half done. Autograd and the ``.grad`` setter already give a gradient its param's device and shape. The
+plan itself is dropped when the optimizer's structure changes: param groups added or their param lists
+resized, the state loaded, replaced or given entries, the params' dtypes changed. Anything else (a
+gradient in another layout, a param that gained or lost its gradient, a replaced tensor) takes the
+general way for that step, which raises the precise errors and builds a new plan.
 
 Each call's fp32/bf16 moments are packed (``pack_moments``): one tensor per moment list, of which the
 state holds views shaped like the params, so that the kernel takes two moment tensors instead of two per
