@@ -13,7 +13,9 @@ copies for those params only. Params that need neither (``needs_view`` is False)
 they are, in calls of their own (FusedAdam buckets the two kinds apart), so they pay nothing.
 
 A call's moments may also reach the kernel packed, each list one tensor holding every entry's moment at
-``packed_offsets`` (Note [Packed moments] in csrc/binding.cpp); ``packed_views`` are its entries.
+``packed_offsets`` (Note [Packed moments] in csrc/binding.cpp); ``packed_views`` are its entries, and
+``own_storage`` gives such an entry a storage of its own over the same memory (what the optimizer's state
+holds).
 
 Everything here takes plain tensors. For a param that wraps another (a DTensor), pass the local
 tensor: that one may itself be complex or not dense, and gets the same treatment.
@@ -64,6 +66,21 @@ def packed_views(packed: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     offsets, _ = packed_offsets([t.numel() for t in like])
     base = packed.storage_offset()
     return [packed.as_strided(t.shape, t.stride(), base + o) for t, o in zip(like, offsets)]
+
+
+def own_storage(view: Tensor) -> Tensor:
+    """`view` (its memory, shape and strides) as the first elements of a storage of its own: a slice of
+    its storage, which keeps that storage alive. Such a tensor deep-copies and saves (``torch.save``) as
+    one of its own, where a view past its storage's first element cannot be deep-copied once a DTensor
+    wraps it (torch's ``Tensor.__deepcopy__`` takes the wrapper's nonzero data pointer for a storage), and
+    saves the whole storage it views. An empty `view` gets memory of its own (none), not a slice."""
+    if not view.numel():
+        return torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
+    size = view.element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride()))
+    start = view.storage_offset() * size
+    memory = view.untyped_storage()[start:start + span * size]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(memory, 0, view.shape, view.stride())
 
 
 def state_dtype(p: Tensor) -> torch.dtype:

@@ -259,8 +259,8 @@ class FusedAdam(GradScaling, GeneralStep, TracedStep, torch.optim.Optimizer):
                 for index, (group, params, grads) in enumerate(work_round):
                     if params:
                         self._step_group(index, group, params, grads, grad_scale, found_inf)
-            self._plan = None  # (its tensors freed first: a new plan may repack the moments)
-            self._plan = plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable)
+            self._plan = plan.build(self._plan_key(), self.param_groups, self.state, eager=not self.capturable,
+                                    previous=self._plan)
         self._reset_grad_scaling()
         return loss
 

@@ -21,11 +21,12 @@ resized, the state loaded, replaced or given entries, the params' dtypes changed
 gradient in another layout, a param that gained or lost its gradient, a replaced tensor) takes the
 general way for that step, which raises the precise errors and builds a new plan.
 
-Each call's fp32/bf16 moments are packed (``pack_moments``): one tensor per moment list, of which the
-state holds views shaped like the params, so that the kernel takes two moment tensors instead of two per
-param (the op's packed form, Note [Packed moments] in csrc/binding.cpp). Each step checks that the state
-holds tensors at the packed addresses: a moment replaced by assignment, or given other memory by
-``.data =`` or ``set_()`` (which keep its identity), takes the general way, and the next plan packs again.
+Each call's fp32/bf16 moments are packed (``pack_moments``): one tensor per moment list, whose entries
+(shaped like the params, each over a storage of its own) the state holds, so that the kernel takes two
+moment tensors instead of two per param (the op's packed form, Note [Packed moments] in
+csrc/binding.cpp). Each step checks that the state holds tensors at the packed addresses: a moment
+replaced by assignment, or given other memory by ``.data =`` or ``set_()`` (which keep its identity),
+takes the general way, and the next plan packs again.
 
 DTensor params (FSDP2, tensor parallelism) get a ``ShardedCall``: its lists hold the local shards, so
 the kernel runs on plain tensors and a steady-state step does no DTensor dispatch (distopt/dtensor.py);
@@ -35,6 +36,7 @@ the general step converts it (``dtensor.GradConversion``), by a slice where that
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import operator
@@ -45,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .. import dtensor, ops
-from ..kernel_views import layout_strides, needs_view, packed_offsets, packed_views
+from ..kernel_views import layout_strides, needs_view, own_storage, packed_offsets, packed_views
 from .moments import MomentState, element_offset
 
 _grad = operator.attrgetter("grad")
@@ -217,17 +219,23 @@ class StepPlan:
             out.append((call, grads))
         return out
 
+    def packs(self) -> dict[tuple[int, ...], Tensor]:
+        """Each packed moment tensor of the plan, by the addresses of the state's tensors in it."""
+        return {tuple(call.packed_ptrs[name]): flat for call in self.calls for name, flat in call.packed.items()}
+
 
 def plan_key(groups: list[dict[str, Any]], state: Any, epoch: int) -> tuple:
     """What a plan depends on besides the grads and the params' dtypes, in O(groups)."""
     return (epoch, id(state), len(state), tuple((id(g["params"]), len(g["params"])) for g in groups))
 
 
-def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> StepPlan | None:
+def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool, previous: StepPlan | None = None
+          ) -> StepPlan | None:
     """A plan for the params that have a gradient and a state now (None if some have a gradient but
     no state, or a group lists a param twice: the general step updates it once per listing). `eager`: one
     call per step count, whose params' step tensors become views of one tensor (same values, still
-    float32 scalars: torch's format), the call's ``step_storage``."""
+    float32 scalars: torch's format), the call's ``step_storage``, and whose moments are packed
+    (``pack_moments``; `previous`, the plan this one replaces, tells which already are)."""
     params = [p for g in groups for p in g["params"]]
     if len(set(map(id, params))) != len(params):
         return None
@@ -268,68 +276,70 @@ def build(key: tuple, groups: list[dict[str, Any]], state: Any, eager: bool) -> 
     for call in calls.values():
         call.exp_avg_scales, call.exp_avg_sq_scales = MomentState.scales(call.entries)
     if eager:
+        packs = previous.packs() if previous is not None else {}
         for call in calls.values():
             call.step_storage = torch.stack(call.steps).to(torch.float32)
             call.step_version = call.step_storage._version
             call.steps = list(call.step_storage.unbind())
             for s, step in zip(call.entries, call.steps):
                 s["step"] = step
-            if not dtensor.is_dtensor(call.model_params[0]):
-                pack_moments(call)
-        release_old_packs(state, calls.values())
+            pack_moments(call, packs)
+        release_old_packs(state, calls.values(), packs)
     planned = [ShardedCall.of(c) if dtensor.is_dtensor(c.model_params[0]) else c for c in calls.values()]
     held = ops.hold_references(t for c in planned for t in c.kernel_tensors())
     return StepPlan(key, planned, unplanned, params, list(state.values()), held)
 
 
-def pack_moments(call: Call) -> None:
+def pack_moments(call: Call, previous: dict[tuple[int, ...], Tensor]) -> None:
     """Packs each of the call's fp32 or bf16 moment lists into one tensor (Note [Packed moments] in
-    csrc/binding.cpp), whose views, shaped and strided as the moments were, become the state's: the
-    kernel call then passes two tensors instead of two per param. Values are copied once (lists already
-    packed so, by an earlier plan, are kept as they are); 8-bit moments, a list over ``PACK_LIMIT`` bytes,
-    and the lists of a call of views stay one tensor per param. (Not for DTensor params: a DTensor over a
-    view that starts past its storage's first element cannot be deep-copied, torch's Tensor.__deepcopy__
-    taking it for one with storage, and torch.distributed.checkpoint's state dicts are deep-copied.)"""
+    csrc/binding.cpp), whose entries, shaped and strided as the moments were and each over a storage of its
+    own (``own_storage``: DTensors over them deep-copy, and each saves alone), become the state's (DTensor
+    params' wrapped as before): the kernel call then passes two tensors instead of two per param. Values
+    are copied once; a list that `previous` (a former plan's ``StepPlan.packs``) packed at the same
+    addresses keeps its packed tensor. 8-bit moments, a list over ``PACK_LIMIT`` bytes and the lists of a
+    call of views stay one tensor per param."""
     if call.viewed or len(call.params) < 2:
         return
     for name, attr in (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")):
         tensors = getattr(call, attr)
-        first = tensors[0]
-        numels = list(map(Tensor.numel, tensors))
-        offsets, total = packed_offsets(numels)
-        size = first.element_size()
-        if first.dtype not in (torch.float32, torch.bfloat16) or total * size > PACK_LIMIT:
-            continue
-        base = first.data_ptr()  # (an empty tensor's is 0)
-        if (base and list(map(_data_ptr, tensors)) == [base + o * size if n else 0 for o, n in zip(offsets, numels)]
-                and len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-                and (first.storage_offset() + total) * size <= first.untyped_storage().nbytes()
-                and set(map(_dtype, tensors)) == {first.dtype}):
-            # Packed by an earlier plan. (Each is laid out as its param: a plan is built after a general step,
-            # whose kernel call checked every state tensor's shape and strides against its param's.)
-            flat = first.as_strided((total,), (1,), first.storage_offset())
-        else:
+        shards = list(map(dtensor.local, tensors))
+        first = shards[0]
+        _, total = packed_offsets(list(map(Tensor.numel, shards)))
+        if (first.dtype not in (torch.float32, torch.bfloat16) or not total
+                or total * first.element_size() > PACK_LIMIT):
+            continue  # (all empty: nothing to pack, and every address 0)
+        ptrs = tuple(map(_data_ptr, shards))
+        flat = previous.get(ptrs)
+        if flat is None or flat.dtype != first.dtype:
             flat = torch.zeros(total, dtype=first.dtype, device=first.device)
-            views = packed_views(flat, tensors)
-            torch._foreach_copy_(views, tensors)
-            for entry, view in zip(call.entries, views):
-                entry[name] = view
-            tensors = views
-            setattr(call, attr, views)
+            views = list(map(own_storage, packed_views(flat, shards)))
+            torch._foreach_copy_(views, shards)
+            tensors = [dtensor.like_param(t, lambda _, v=v: v) for t, v in zip(tensors, views)]
+            for entry, t in zip(call.entries, tensors):
+                entry[name] = t
+            setattr(call, attr, tensors)
+            ptrs = tuple(map(_data_ptr, views))
         call.packed[name] = flat
-        call.packed_ptrs[name] = list(map(_data_ptr, tensors))
+        call.packed_ptrs[name] = list(ptrs)
 
 
-def release_old_packs(state: Any, calls: Any) -> None:
-    """Gives its own memory to each state moment left in a packed tensor that no call packs now (a param
-    without a gradient when the plan was rebuilt), so that it does not keep that whole tensor alive."""
-    live = {flat.untyped_storage().data_ptr() for call in calls for flat in call.packed.values()}
+def release_old_packs(state: Any, calls: Any, previous: dict[tuple[int, ...], Tensor]) -> None:
+    """Gives its own memory to each state moment left in a packed tensor of `previous` that no call packs
+    now (a param without a gradient when the plan was rebuilt), so that it does not keep that whole tensor
+    alive."""
+    live = {flat.data_ptr() for call in calls for flat in call.packed.values()}
+    dead = sorted((f.data_ptr(), f.data_ptr() + f.nbytes) for f in previous.values() if f.data_ptr() not in live)
+    if not dead:
+        return
+    starts = [start for start, _ in dead]
     for entry in state.values():
         for name in ("exp_avg", "exp_avg_sq"):
             t = entry.get(name)
-            if (type(t) is Tensor and t.dtype in (torch.float32, torch.bfloat16)  # (not DTensors, 8-bit codes)
-                    and t.untyped_storage().nbytes() > t.nbytes and t.untyped_storage().data_ptr() not in live):
-                entry[name] = t.clone()  # (preserve_format: its param's strides)
+            if isinstance(t, Tensor):
+                address = dtensor.local(t).data_ptr()
+                i = bisect.bisect_right(starts, address) - 1  # the last dead pack starting at or before it
+                if i >= 0 and address < dead[i][1]:
+                    entry[name] = dtensor.like_param(t, torch.clone)  # (preserve_format: its param's strides)
 
 
 @dataclass
@@ -375,6 +385,9 @@ class ShardedCall(Call):
 
     def state_lists(self) -> list[tuple[str, list[Tensor]]]:
         return self.held
+
+    def addresses(self, name: str) -> list[int]:
+        return list(map(_data_ptr, map(_local, map(operator.itemgetter(name), self.entries))))
 
     def grad_references(self, grads: list[Tensor]) -> object | None:
         # The grads' local shards are held by their DTensors' Python objects only: held for the call

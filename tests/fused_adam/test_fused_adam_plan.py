@@ -141,7 +141,7 @@ def run(planned: bool, unchecked_addresses: bool = False) -> tuple[list[dict[str
     if unchecked_addresses:  # (a negative control: the plan's check of its packed moments removed)
         def unchecked(o, args, kwargs) -> None:
             for call in o._plan.calls if o._plan else ():
-                call.packed_ptrs.clear()
+                call.addresses = call.packed_ptrs.__getitem__  # the state always "at" the planned addresses
 
         opt.register_step_pre_hook(unchecked)
     return scenario(opt, params, extra), counter.calls
