@@ -263,13 +263,17 @@ TensorList describe_scales(const Tensors& scales, const Tensors& states, const c
 // element packed_offset(i) on, in params[i]'s memory order (the order every list is walked in), where
 // packed_offset(0) = 0 and each next one is the last plus its numel rounded up to kPackAlign elements (so
 // that every entry starts 64-byte aligned for fp32, 32-byte for bf16; distopt/kernel_views.py
-// packed_offsets, which distopt.ops exports, is the same rule). Why: the tensors of an op's lists cross torch's stable ABI one by one (a new C++ handle, its
-// checks, its release: about a fifth of a microsecond each), the largest part of the host time of a call
-// over thousands of small params; a caller that keeps its moments packed (FusedAdam's step plan) passes
-// two tensors instead of two per param. 8-bit moments, whose absmax lists are per entry, are not packed.
+// packed_offsets, which distopt.ops exports, is the same rule). Why: the tensors of an op's lists cross
+// torch's stable ABI one by one (a new C++ handle, its checks, its release: about a fifth of a
+// microsecond each), the largest part of the host time of a call over thousands of small params; a caller
+// that keeps its moments packed (FusedAdam's step plan) passes two tensors instead of two per param. 8-bit
+// moments, whose absmax lists are per entry, are not packed.
 namespace {
 
 constexpr int64_t kPackAlign = 16;
+
+// Elements an entry of `numel` elements takes in a packed tensor.
+int64_t packed_numel(int64_t numel) { return (numel + kPackAlign - 1) / kPackAlign * kPackAlign; }
 
 TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& ref, const std::vector<int64_t>& numel,
                             const char* name) {
@@ -282,20 +286,20 @@ TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& r
   DISTOPT_CHECK(t.device_type == ref[0].device_type && t.device_index == ref[0].device_index, name,
                 " (packed) is on ", device_name(list[0].device()), ", expected ", device_name(ref[0].tensor->device()));
   int64_t extent = 0;
-  for (const int64_t n : numel) extent += (n + kPackAlign - 1) / kPackAlign * kPackAlign;
+  for (const int64_t n : numel) extent += packed_numel(n);
   DISTOPT_CHECK(t.layout == aoti_torch_layout_strided() && t.sizes.size() == 1 && (t.sizes[0] < 2 || t.strides[0] == 1) &&
                     t.sizes[0] >= extent,
                 name, ": a packed moment tensor must be 1-D and contiguous with at least ", extent,
                 " elements (the params' numels, each rounded up to ", kPackAlign, "), got shape ", shape_string(list[0]));
   TensorList out;
   out.dtype = to_dtype(dtype);
-  const int64_t element_size = dtype == ScalarType::Float ? 4 : 2;
+  const int64_t element_size = static_cast<int64_t>(list[0].element_size());
   char* base = static_cast<char*>(t.data);
   int64_t offset = 0;
   out.data.reserve(numel.size());
   for (const int64_t n : numel) {
     out.data.push_back(base + offset * element_size);
-    offset += (n + kPackAlign - 1) / kPackAlign * kPackAlign;
+    offset += packed_numel(n);
   }
   return out;
 }
