@@ -98,12 +98,25 @@ bool non_overlapping_and_dense(IntArrayRef sizes, IntArrayRef strides) {
 // those conversions most of an op's host time. So each tensor's properties are read once as the shim's
 // raw codes (RawTensor) and compared as such; a list's first dtype is converted once, and a tensor's
 // properties only again to name them in an error.
-namespace {
+TensorHandles::~TensorHandles() {
+  for (AtenTensorHandle h : handles_) aoti_torch_delete_tensor_object(h);
+}
 
-RawTensor raw_of(const Tensor& t) {
-  AtenTensorHandle h = t.get();
+Tensor TensorHandles::operator[](size_t i) const { return tensor_of(handles_.at(i)); }
+
+Tensor tensor_of(AtenTensorHandle handle) {
+  AtenTensorHandle reference = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_new_tensor_handle(handle, &reference));
+  return Tensor(reference);
+}
+
+int64_t RawTensor::numel() const {
+  return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+RawTensor read_raw(AtenTensorHandle h) {
   RawTensor r;
-  r.tensor = &t;
+  r.handle = h;
   int64_t dim = 0;
   int64_t* sizes = nullptr;
   int64_t* strides = nullptr;
@@ -120,12 +133,10 @@ RawTensor raw_of(const Tensor& t) {
   return r;
 }
 
-}  // namespace
-
 std::vector<RawTensor> read_raw(const Tensors& list) {
   std::vector<RawTensor> out;
   out.reserve(list.size());
-  for (const Tensor& t : list) out.push_back(raw_of(t));
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(read_raw(list.handle(i)));
   return out;
 }
 
@@ -152,10 +163,10 @@ TensorList describe(const Tensors& list, const std::vector<RawTensor>& raw, cons
     DISTOPT_CHECK(t.dtype == raw[0].dtype, name, "[", i, "]: dtype ", scalar_type_name(list[i].scalar_type()),
                   " differs from ", name, "[0] (", scalar_type_name(dtype), "); group tensors by dtype");
     DISTOPT_CHECK(t.device_type == r.device_type && t.device_index == r.device_index, name, "[", i, "] is on ",
-                  device_name(list[i].device()), ", expected ", device_name(r.tensor->device()));
+                  device_name(list[i].device()), ", expected ", device_name(tensor_of(r.handle).device()));
     DISTOPT_CHECK(t.layout == strided, name, "[", i, "]: expected a dense tensor");
     DISTOPT_CHECK(t.sizes.equals(r.sizes), name, "[", i, "]: shape ", shape_string(list[i]), " differs from ",
-                  shape_string(*r.tensor));
+                  shape_string(tensor_of(r.handle)));
     // Elements are walked in memory order, so every list must share the reference's layout.
     DISTOPT_CHECK(non_overlapping_and_dense(t.sizes, t.strides) && t.strides.equals(r.strides), name, "[", i,
                   "]: expected a dense tensor with the same strides as its partners");
@@ -167,9 +178,7 @@ TensorList describe(const Tensors& list, const std::vector<RawTensor>& raw, cons
 std::vector<int64_t> numels(const std::vector<RawTensor>& list) {
   std::vector<int64_t> n;
   n.reserve(list.size());
-  for (const RawTensor& t : list) {
-    n.push_back(std::accumulate(t.sizes.begin(), t.sizes.end(), int64_t{1}, std::multiplies<int64_t>()));
-  }
+  for (const RawTensor& t : list) n.push_back(t.numel());
   return n;
 }
 
@@ -205,18 +214,27 @@ void set_lr(AdamArgs& args, const Tensor& lr, const Device& device) {
 // steps count this update (>= 1): one for every entry, or one per entry. A single step on the CPU is
 // read now (an eager step); otherwise they are float32 scalars on the params' device, read by the
 // kernel (the same tensor may appear for many entries).
-void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device& device) {
+void set_steps(AdamArgs& args, const Tensors& steps, const Tensors& params) {
+  const size_t count = params.size();
   DISTOPT_CHECK(steps.size() == 1 || steps.size() == count, "steps: expected one step tensor, or one per param (",
                 count, "), got ", steps.size());
-  if (steps.size() == 1 && steps[0].is_cpu()) {
+  const std::vector<RawTensor> raw = read_raw(steps);
+  if (steps.size() == 1 && raw[0].device_type == aoti_torch_device_type_cpu()) {
     args.step = cpu_scalar(steps[0], "steps[0]");
     DISTOPT_CHECK(args.step >= 1.0, "step counts this update and must be >= 1, got ", args.step);
     return;
   }
+  const RawTensor where = read_raw(params.handle(0));
   args.steps.dtype = DType::Float32;
   args.steps.data.reserve(count);
   for (size_t i = 0; i < count; ++i) {
-    args.steps.data.push_back(scalar_ptr(steps[steps.size() == 1 ? 0 : i], device, "steps[i]"));
+    const RawTensor& t = raw[steps.size() == 1 ? 0 : i];
+    if (t.dtype != aoti_torch_dtype_float32() || t.numel() != 1 || t.device_type != where.device_type ||
+        t.device_index != where.device_index) {
+      scalar_ptr(tensor_of(t.handle), params[0].device(), "steps[i]");  // names what is wrong
+      fail("steps[", i, "]: expected a float32 one-element tensor on the params' device");
+    }
+    args.steps.data.push_back(t.data);
   }
 }
 
@@ -227,30 +245,45 @@ StateFormat state_format(const Tensors& states) {
 
 namespace {
 
+// Whether a dense tensor of `sizes` and `strides` is row-major contiguous (dims of size 1 take any stride).
+bool contiguous(IntArrayRef sizes, IntArrayRef strides) {
+  int64_t expected = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
 // The absmax list of an 8-bit moment list (one fp32 per kQuantBlock elements of each entry, contiguous,
-// beside its codes); empty for the other formats.
-TensorList describe_scales(const Tensors& scales, const Tensors& states, const char* name, const char* states_name) {
-  if (state_format(states) != StateFormat::Blockwise8) {
+// beside its codes); empty for the other formats. `states` is the moment list as described against `ref`
+// (the params: the same devices and numels).
+TensorList describe_scales(const Tensors& scales, const Tensors& state_tensors, const TensorList& states,
+                           const std::vector<RawTensor>& ref, const char* name, const char* states_name) {
+  if (state_format(state_tensors) != StateFormat::Blockwise8) {
     DISTOPT_CHECK(scales.empty(), name, ": only 8-bit (uint8) ", states_name, " have scales, got ", scales.size(),
-                  " tensors for ", states.empty() ? "none" : scalar_type_name(states[0].scalar_type()));
+                  " tensors for ", scalar_type_name(state_tensors[0].scalar_type()));
     return TensorList{};
   }
-  DISTOPT_CHECK(scales.size() == states.size(), name, ": expected one absmax tensor per entry of ", states_name, " (",
-                states.size(), "), got ", scales.size());
+  DISTOPT_CHECK(scales.size() == ref.size(), name, ": expected one absmax tensor per entry of ", states_name, " (",
+                ref.size(), "), got ", scales.size());
   TensorList out;
   out.dtype = DType::Float32;
+  out.data.reserve(scales.size());
+  const std::vector<RawTensor> raw = read_raw(scales);
   for (size_t i = 0; i < scales.size(); ++i) {
-    const Tensor& t = scales[i];
-    const int64_t blocks = (states[i].numel() + kQuantBlock - 1) / kQuantBlock;
-    DISTOPT_CHECK(t.scalar_type() == ScalarType::Float, name, "[", i, "]: expected float32, got ",
-                  scalar_type_name(t.scalar_type()));
-    DISTOPT_CHECK(t.device() == states[i].device(), name, "[", i, "] is on ", device_name(t.device()), ", expected ",
-                  device_name(states[i].device()));
-    DISTOPT_CHECK(t.numel() == blocks && t.is_contiguous(), name, "[", i, "]: expected ", blocks,
-                  " contiguous elements (one per ", kQuantBlock, " of ", states_name, "[", i, "]), got ", t.numel());
-    DISTOPT_CHECK(blocks == 0 || t.data_ptr() != states[i].data_ptr(), name, "[", i, "] must not alias ", states_name,
-                  "[", i, "]");
-    out.data.push_back(t.data_ptr());
+    const RawTensor& t = raw[i];
+    const int64_t blocks = (ref[i].numel() + kQuantBlock - 1) / kQuantBlock;
+    DISTOPT_CHECK(t.dtype == aoti_torch_dtype_float32(), name, "[", i, "]: expected float32, got ",
+                  scalar_type_name(scales[i].scalar_type()));
+    DISTOPT_CHECK(t.device_type == ref[i].device_type && t.device_index == ref[i].device_index, name, "[", i,
+                  "] is on ", device_name(scales[i].device()), ", expected ", device_name(state_tensors[i].device()));
+    DISTOPT_CHECK(t.numel() == blocks && t.layout == aoti_torch_layout_strided() && contiguous(t.sizes, t.strides),
+                  name, "[", i, "]: expected ", blocks, " contiguous elements (one per ", kQuantBlock, " of ",
+                  states_name, "[", i, "]), got ", t.numel());
+    DISTOPT_CHECK(blocks == 0 || t.data != states.data[i], name, "[", i, "] must not alias ", states_name, "[", i,
+                  "]");
+    out.data.push_back(t.data);
   }
   return out;
 }
@@ -284,7 +317,7 @@ TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& r
                 " tensors (one per param) or one packed fp32 or bf16 tensor, got one ", scalar_type_name(dtype),
                 " tensor (8-bit moments are passed one tensor per param)");
   DISTOPT_CHECK(t.device_type == ref[0].device_type && t.device_index == ref[0].device_index, name,
-                " (packed) is on ", device_name(list[0].device()), ", expected ", device_name(ref[0].tensor->device()));
+                " (packed) is on ", device_name(list[0].device()), ", expected ", device_name(tensor_of(ref[0].handle).device()));
   int64_t extent = 0;
   for (const int64_t n : numel) extent += packed_numel(n);
   DISTOPT_CHECK(t.layout == aoti_torch_layout_strided() && t.sizes.size() == 1 && (t.sizes[0] < 2 || t.strides[0] == 1) &&
@@ -293,7 +326,7 @@ TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& r
                 " elements (the params' numels, each rounded up to ", kPackAlign, "), got shape ", shape_string(list[0]));
   TensorList out;
   out.dtype = to_dtype(dtype);
-  const int64_t element_size = static_cast<int64_t>(list[0].element_size());
+  const int64_t element_size = static_cast<int64_t>(aoti_torch_dtype_element_size(t.dtype));
   char* base = static_cast<char*>(t.data);
   int64_t offset = 0;
   out.data.reserve(numel.size());
@@ -340,11 +373,15 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
     DISTOPT_CHECK(tl.numel[i] == 0 || (p[i] != m[i] && p[i] != v[i] && m[i] != v[i]), "params[", i, "], exp_avgs[",
                   i, "] and exp_avg_sqs[", i, "] must not alias");
   }
-  tl.lists[kExpAvgScale] = describe_scales(exp_avg_scales, exp_avgs, "exp_avg_scales", "exp_avgs");
-  tl.lists[kExpAvgSqScale] = describe_scales(exp_avg_sq_scales, exp_avg_sqs, "exp_avg_sq_scales", "exp_avg_sqs");
-  for (size_t i = 0; i < exp_avg_scales.size() && i < exp_avg_sq_scales.size(); ++i) {
-    DISTOPT_CHECK(exp_avg_scales[i].numel() == 0 || exp_avg_scales[i].data_ptr() != exp_avg_sq_scales[i].data_ptr(),
-                  "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i, "] must not alias");
+  tl.lists[kExpAvgScale] =
+      describe_scales(exp_avg_scales, exp_avgs, tl.lists[kExpAvg], ref, "exp_avg_scales", "exp_avgs");
+  tl.lists[kExpAvgSqScale] =
+      describe_scales(exp_avg_sq_scales, exp_avg_sqs, tl.lists[kExpAvgSq], ref, "exp_avg_sq_scales", "exp_avg_sqs");
+  const std::vector<void*>& ms = tl.lists[kExpAvgScale].data;
+  const std::vector<void*>& vs = tl.lists[kExpAvgSqScale].data;
+  for (size_t i = 0; i < ms.size() && i < vs.size(); ++i) {  // (an empty scale: the entry is empty too)
+    DISTOPT_CHECK(tl.numel[i] == 0 || ms[i] != vs[i], "exp_avg_scales[", i, "] and exp_avg_sq_scales[", i,
+                  "] must not alias");
   }
   return tl;
 }
@@ -395,18 +432,21 @@ TensorLists describe_scale(const Tensors& inputs, const Tensors& outputs, const 
   DISTOPT_CHECK(!inputs.empty(), op, ": expected at least one input");
   TensorLists tl;
   const std::vector<RawTensor> in = read_raw(inputs);
-  tl.lists = {describe(inputs, in, in, "inputs", "float"), describe(outputs, read_raw(outputs), in, "outputs", "float")};
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    // Exact aliasing (in place) is fine: each element is read before it is written.
-    const auto* in_begin = static_cast<const char*>(inputs[i].data_ptr());
-    const auto* out_begin = static_cast<const char*>(outputs[i].data_ptr());
-    const auto* in_end = in_begin + inputs[i].numel() * static_cast<int64_t>(inputs[i].element_size());
-    const auto* out_end = out_begin + outputs[i].numel() * static_cast<int64_t>(outputs[i].element_size());
-    const bool overlap = in_begin < out_end && out_begin < in_end;
-    DISTOPT_CHECK(!overlap || (in_begin == out_begin && inputs[i].scalar_type() == outputs[i].scalar_type()), op,
-                  ": outputs[", i, "] partially overlaps inputs[", i, "]");
-  }
+  const std::vector<RawTensor> out = read_raw(outputs);
+  tl.lists = {describe(inputs, in, in, "inputs", "float"), describe(outputs, out, in, "outputs", "float")};
   tl.numel = numels(in);
+  const TensorList& outs = tl.lists[1];
+  const int64_t in_size = static_cast<int64_t>(aoti_torch_dtype_element_size(in[0].dtype));
+  const int64_t out_size = static_cast<int64_t>(aoti_torch_dtype_element_size(out[0].dtype));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    // Exact aliasing (in place) is fine: each element is read before it is written. (Each list has one
+    // dtype, and each output the shape of its input.)
+    const auto* in_begin = static_cast<const char*>(tl.lists[0].data[i]);
+    const auto* out_begin = static_cast<const char*>(outs.data[i]);
+    const bool overlap = in_begin < out_begin + tl.numel[i] * out_size && out_begin < in_begin + tl.numel[i] * in_size;
+    DISTOPT_CHECK(!overlap || (in_begin == out_begin && tl.lists[0].dtype == outs.dtype), op, ": outputs[", i,
+                  "] partially overlaps inputs[", i, "]");
+  }
   return tl;
 }
 

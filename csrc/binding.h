@@ -6,7 +6,7 @@
 //
 // How an op's arguments arrive (TORCH_BOX unboxes them from the schema in distopt/ops.py, in order):
 //   Tensor / Tensor(a!)           const Tensor&          (written through its data pointer)
-//   Tensor[] / Tensor(a!)[]       const Tensors&         (std::vector<torch::stable::Tensor>)
+//   Tensor[] / Tensor(a!)[]       const Tensors&         (TensorHandles, below)
 //   Tensor? / Tensor(a!)?         const OptionalTensor&  (std::optional<torch::stable::Tensor>)
 //   float / int / bool            double / int64_t / bool
 //   int? / int[]                  std::optional<int64_t> / std::vector<int64_t>
@@ -40,8 +40,34 @@ namespace distopt {
 
 using torch::stable::Device;
 using torch::stable::Tensor;
-using Tensors = std::vector<Tensor>;
 using OptionalTensor = std::optional<Tensor>;
+
+// Note [Tensor lists across the ABI]
+// An op's Tensor[] argument arrives as one C handle per tensor, which the op owns. TORCH_BOX's own
+// conversion (std::vector<torch::stable::Tensor>) wraps each in a shared_ptr: a heap block, atomic counts
+// and a free per tensor, about a sixth of the host time of a call over thousands of small tensors. The
+// ops read each tensor's properties once through its handle (RawTensor) and need a torch::stable::Tensor
+// only to name a property in an error or to make a new tensor, so they take the handles as they come
+// (the ToImpl specialisation below, which TORCH_BOX uses for this type) and release them with the list.
+class __attribute__((visibility("hidden"))) TensorHandles {
+ public:
+  explicit TensorHandles(std::vector<AtenTensorHandle> handles) : handles_(std::move(handles)) {}
+  TensorHandles(TensorHandles&& other) noexcept : handles_(std::move(other.handles_)) { other.handles_.clear(); }
+  TensorHandles(const TensorHandles&) = delete;
+  TensorHandles& operator=(const TensorHandles&) = delete;
+  TensorHandles& operator=(TensorHandles&&) = delete;
+  ~TensorHandles();
+
+  size_t size() const { return handles_.size(); }
+  bool empty() const { return handles_.empty(); }
+  AtenTensorHandle handle(size_t i) const { return handles_[i]; }
+  // Entry i as a torch::stable::Tensor (a new reference): for errors and new outputs, not per-tensor work.
+  Tensor operator[](size_t i) const;
+
+ private:
+  std::vector<AtenTensorHandle> handles_;
+};
+using Tensors = TensorHandles;
 
 // Throws std::invalid_argument (Python: ValueError) with the parts streamed into one message after
 // kArgumentError (kernels.h).
@@ -74,9 +100,14 @@ struct __attribute__((visibility("hidden"))) RawTensor {
   torch::headeronly::IntHeaderOnlyArrayRef sizes;
   torch::headeronly::IntHeaderOnlyArrayRef strides;
   void* data = nullptr;
-  const Tensor* tensor = nullptr;  // what it was read from (to name its properties in an error)
+  AtenTensorHandle handle = nullptr;  // what it was read from (to name its properties in an error)
+
+  int64_t numel() const;
 };
+RawTensor read_raw(AtenTensorHandle handle);
 std::vector<RawTensor> read_raw(const Tensors& list);
+// A new reference to the tensor `handle` refers to, as a torch::stable::Tensor (for errors).
+Tensor tensor_of(AtenTensorHandle handle);
 
 // Checks a list against the reference list (the op's first) and describes it: same length, one dtype
 // of `allowed` ("float": fp32/fp16/bf16, "fp32", "int16" or "state": an Adam moment, fp32, bf16 or uint8
@@ -103,7 +134,7 @@ TensorLists describe_adam(const Tensors& params, const Tensors& grads, const Ten
 StateFormat state_format(const Tensors& states);
 AdamHyper make_hyper(double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode, bool maximize);
 void set_lr(AdamArgs& args, const Tensor& lr, const Device& device);
-void set_steps(AdamArgs& args, const Tensors& steps, size_t count, const Device& device);
+void set_steps(AdamArgs& args, const Tensors& steps, const Tensors& params);
 // Stochastic rounding's seed and per-entry keys (Note [Stochastic rounding bits]): with a seed, one param
 // id (0 <= id < 2^32) per entry and optionally the offset of each entry's first element within its param
 // (>= 0; default 0). With 8-bit moments an offset must be a multiple of kQuantBlock, so that the entry's
@@ -138,7 +169,7 @@ void adam_step_(const Tensors& params, const Tensors& grads, const Tensors& exp_
   args.exp_avg_sq_format = state_format(exp_avg_sqs);
   set_rounding(args, rounding_seed, param_ids, param_offsets, params.size());
   set_lr(args, lr, device);
-  set_steps(args, steps, params.size(), device);
+  set_steps(args, steps, params);
   args.grad_scale = scalar_ptr(grad_scale, device, "grad_scale");
   args.found_inf = scalar_ptr(found_inf, device, "found_inf");
   Kernels::adam(device, tl, args);
@@ -189,3 +220,29 @@ void register_impls(torch::stable::detail::StableLibrary& m) {
 }
 
 }  // namespace distopt
+
+// TORCH_BOX unboxes a Tensors parameter through this (Note [Tensor lists across the ABI]); the list's
+// conversion, as torch's own for std::vector, with the handles kept as they are.
+template <>
+struct torch::stable::detail::ToImpl<distopt::TensorHandles> {
+  static distopt::TensorHandles call(StableIValue val, uint64_t /*extension_build_version*/, bool /*is_internal*/) {
+    auto list = torch::stable::detail::to<StableListHandle>(val);
+    std::vector<AtenTensorHandle> handles;
+    try {
+      size_t size = 0;
+      TORCH_ERROR_CODE_CHECK(torch_list_size(list, &size));
+      handles.reserve(size);
+      for (size_t i = 0; i < size; ++i) {
+        StableIValue element;
+        TORCH_ERROR_CODE_CHECK(torch_list_get_item(list, i, &element));
+        handles.push_back(torch::stable::detail::to<AtenTensorHandle>(element));
+      }
+    } catch (...) {
+      for (AtenTensorHandle h : handles) aoti_torch_delete_tensor_object(h);
+      torch_delete_list(list);
+      throw;
+    }
+    TORCH_ERROR_CODE_CHECK(torch_delete_list(list));
+    return distopt::TensorHandles(std::move(handles));
+  }
+};

@@ -314,6 +314,55 @@ def test_l2norm_empty_list_raises():
         ops.l2norm([])
 
 
+# ----------------------------------------------------------------------------------------------------
+# The ops release every tensor they were passed (Note [Tensor lists across the ABI] in csrc/binding.h)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _tensors_of(call: dict) -> list[torch.Tensor]:
+    out = []
+    for v in call.values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += [t for t in v if isinstance(t, torch.Tensor)]
+    return out
+
+
+REFERENCE_CALLS = [
+    ("adam", lambda: (ops.adam_step_, valid_adam_call())),
+    ("adam_states", lambda: (ops.adam_step_, _states_call())),
+    ("adam_capturable", lambda: (ops.adam_step_, valid_capturable_call())),
+    ("adam_refused_late", lambda: (ops.adam_step_, {**_states_call(), "param_ids": [0, -1]})),
+    ("adam_refused_list", lambda: (ops.adam_step_, _replace("grads", 1, lambda t: t.half())(valid_adam_call()))),
+    ("scale", lambda: (ops.scale_, _scale_call())),
+    ("scale_refused", lambda: (ops.scale_, {**_scale_call(), "scale": torch.tensor([0.5, 0.5])})),
+    ("cast_copy", lambda: (ops.cast_copy_, dict(inputs=randn_list([5, 3], FP32), outputs=randn_list([5, 3], BF16),
+                                                 skip_if=scalar(0.0)))),
+    ("l2norm", lambda: (ops.l2norm, dict(tensors=randn_list([5, 3], FP32), found_inf=scalar(0.0)))),
+    ("l2norm_refused", lambda: (ops.l2norm, dict(tensors=[torch.randn(3), torch.arange(2)], found_inf=scalar(0.0)))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [pytest.param(c[1], id=c[0]) for c in REFERENCE_CALLS])
+def test_ops_release_every_tensor_they_were_passed(make):
+    """After a call, accepted or refused, only Python holds the tensors it was passed: the op keeps no C++
+    reference (each list's handles are released with it, also when a later argument is refused). A
+    reference kept alive (ops.hold_references) is seen: the negative control."""
+    op, call = make()
+    tensors = _tensors_of(call)
+    assert len(tensors) >= 3 and all(t._use_count() == 1 for t in tensors)
+    try:
+        op(**call)
+    except ValueError:
+        pass
+    counts = [t._use_count() for t in tensors]
+    assert counts == [1] * len(tensors), counts
+    held = ops.hold_references(tensors[:1])
+    assert tensors[0]._use_count() == 2  # negative control: a C++ reference counts
+    del held
+
+
 def test_kernel_argument_errors_are_value_errors_on_every_torch():
     """The compiled kernel's refusal is a ValueError whose message starts with "distopt: ", whether torch
     delivers it as ValueError (up to 2.14) or as RuntimeError (2.15) ..."""
