@@ -253,11 +253,11 @@ def adam_step_(
     if not params:
         return
     if not isinstance(lr, Tensor):
-        lr = torch.tensor(float(lr), dtype=torch.float64)  # float64: the number's exact value
+        lr = torch.scalar_tensor(float(lr), dtype=torch.float64)  # float64: the number's exact value
     if isinstance(step, Tensor):
         steps: Sequence[Tensor] = (step,)
     elif isinstance(step, (int, float)):
-        steps = (torch.tensor(float(step), dtype=torch.float64),)
+        steps = (torch.scalar_tensor(float(step), dtype=torch.float64),)
     else:
         steps = step
     _call(
