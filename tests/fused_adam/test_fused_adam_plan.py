@@ -233,6 +233,29 @@ def test_complex_and_non_dense_params_cost_nothing_per_dense_param():
     assert python_calls_per_step(10, extra=extra()) > python_calls_per_step(10)  # (they do cost their own)
 
 
+def test_python_calls_leaves_out_the_garbage_collectors_callbacks():
+    """A collection inside the counted call would run the gc.callbacks others registered (hypothesis does,
+    and forked ranks inherit it): not the call's work, so the count leaves them out. Control: the same
+    allocations with the collector on run the callback."""
+    import gc
+
+    hits: list[str] = []
+
+    def callback(phase, info):
+        hits.append(phase)
+
+    def allocate():
+        return [[] for _ in range(50 * gc.get_threshold()[0])]
+
+    gc.callbacks.append(callback)
+    try:
+        assert python_calls(allocate) == 2 and hits == []  # the call and its comprehension
+        allocate()
+        assert "start" in hits  # control: those allocations do trigger a collection
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def test_negative_control_the_general_step_works_per_param():
     assert python_calls_per_step(300, planned=False) > python_calls_per_step(10, planned=False) + 290
 
