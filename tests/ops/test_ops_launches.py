@@ -24,7 +24,7 @@ from torch import Tensor
 
 from distopt import ops
 
-from backends import Backend, load_emulated
+from backends import Backend, emulated_or_skip, load_emulated
 from op_helpers import (
     BF16,
     CHUNK,
@@ -55,10 +55,7 @@ RUNTIMES = {"4KiB": (12000, 12000), "32K": (13000, 13000)}
 
 def emulated_constants(path: str) -> dict:
     """The launch constants with the emulated runtime set for ``path`` ("4KiB" or "32K")."""
-    try:
-        emulated = load_emulated()
-    except ImportError:
-        pytest.skip("distopt._C_emulated (which reports the launch constants) is not built")
+    emulated = emulated_or_skip()  # (the module that reports the launch constants)
     driver, runtime = RUNTIMES[path]
     emulated.set_runtime(driver_version=driver, runtime_version=runtime)
     constants = emulated.constants()
