@@ -62,17 +62,21 @@ bool is_float_dtype(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
 
+// Whether `sizes` and `strides` are row-major contiguous (dims of size 1 take any stride).
+bool contiguous(IntArrayRef sizes, IntArrayRef strides) {
+  int64_t expected = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
 // c10's TensorImpl::compute_non_overlapping_and_dense: ordered by stride (dims of size < 2 last), the
 // strides are the running products of the sizes. Any dense layout qualifies (e.g. channels_last).
 bool non_overlapping_and_dense(IntArrayRef sizes, IntArrayRef strides) {
+  if (contiguous(sizes, strides)) return true;  // the common case, decided without sorting
   const size_t dim = sizes.size();
-  bool row_major = true;  // the common case, decided without sorting
-  int64_t expected = 1;
-  for (size_t d = dim; d-- > 0 && row_major;) {
-    row_major = sizes[d] == 1 || strides[d] == expected;
-    expected *= sizes[d];
-  }
-  if (row_major) return true;
   std::vector<size_t> perm(dim);
   std::iota(perm.begin(), perm.end(), size_t{0});
   std::stable_sort(perm.begin(), perm.end(), [&](size_t a, size_t b) {
@@ -245,16 +249,6 @@ StateFormat state_format(const Tensors& states) {
 
 namespace {
 
-// Whether a dense tensor of `sizes` and `strides` is row-major contiguous (dims of size 1 take any stride).
-bool contiguous(IntArrayRef sizes, IntArrayRef strides) {
-  int64_t expected = 1;
-  for (size_t d = sizes.size(); d-- > 0;) {
-    if (sizes[d] != 1 && strides[d] != expected) return false;
-    expected *= sizes[d];
-  }
-  return true;
-}
-
 // The absmax list of an 8-bit moment list (one fp32 per kQuantBlock elements of each entry, contiguous,
 // beside its codes); empty for the other formats. `states` is the moment list as described against `ref`
 // (the params: the same devices and numels).
@@ -317,7 +311,8 @@ TensorList describe_moments(const Tensors& list, const std::vector<RawTensor>& r
                 " tensors (one per param) or one packed fp32 or bf16 tensor, got one ", scalar_type_name(dtype),
                 " tensor (8-bit moments are passed one tensor per param)");
   DISTOPT_CHECK(t.device_type == ref[0].device_type && t.device_index == ref[0].device_index, name,
-                " (packed) is on ", device_name(list[0].device()), ", expected ", device_name(tensor_of(ref[0].handle).device()));
+                " (packed) is on ", device_name(list[0].device()), ", expected ",
+                device_name(tensor_of(ref[0].handle).device()));
   int64_t extent = 0;
   for (const int64_t n : numel) extent += packed_numel(n);
   DISTOPT_CHECK(t.layout == aoti_torch_layout_strided() && t.sizes.size() == 1 && (t.sizes[0] < 2 || t.strides[0] == 1) &&

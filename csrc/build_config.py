@@ -174,6 +174,13 @@ def emulated_wrappers() -> list[str]:
     return out
 
 
+def emulation_build_dir(name: str, torch_version: str) -> Path:
+    """Where the tests build the test-only module `name` for one torch and Python: build/emulation/<name>-<tag>
+    (one per version: several venvs' test runs may share a checkout, CI's at the same time)."""
+    tag = f"torch{torch_version}-py{sys.version_info[0]}{sys.version_info[1]}".replace("+", "_")
+    return EMULATED_WRAPPER_DIR / f"{name}-{tag}"
+
+
 def emulated_extension_kwargs() -> dict:
     """Sources, include dirs, macros and flags of distopt._C_emulated (extension-builder keywords)."""
     sources = ["csrc/binding.cpp", "csrc/registration_cuda.cpp"] + EMULATION_RUNTIME + [EMULATION_MODULE]

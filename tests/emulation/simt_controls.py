@@ -73,9 +73,7 @@ def build_controls() -> Controls:
     the emulator is not built."""
     if not build_config.emulation_requested():
         pytest.skip("the SIMT emulator is not built on this platform (DISTOPT_BUILD_EMULATED)")
-    # One directory per torch and Python, as _C_emulated's: CI runs two venvs' suites at once from one checkout.
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}".replace("+", "_")
-    build_dir = ROOT / "build" / "emulation" / f"{NAME}-{tag}"
+    build_dir = build_config.emulation_build_dir(NAME, torch.__version__)
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(Path(__file__).with_name("controls.cpp"))] + [str(ROOT / s) for s in build_config.EMULATION_RUNTIME]
     cpp_extension.load(

@@ -51,8 +51,7 @@ def build_emulated() -> Any:
     from torch.utils import cpp_extension
 
     kw = build_config.emulated_extension_kwargs()
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}".replace("+", "_")
-    build_dir = ROOT / "build" / "emulation" / f"_C_emulated-{tag}"
+    build_dir = build_config.emulation_build_dir("_C_emulated", torch.__version__)
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name="_C_emulated",
