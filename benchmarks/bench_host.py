@@ -22,7 +22,8 @@ each repetition's back-to-back pair, distopt's time over torch's):
                 of nn.Linear(16, 16) (1,000 or 10,000 params of 256 and 16 elements): plain params and
                 FSDP2 against AdamW(fused=True) and AdamW(foreach=True), zero_grad(set_to_none=False),
                 and DistributedFusedAdam's step; see host_loop.py. The JSON's ``phases`` splits
-                FusedAdam's step in loop_1k into the plan's checks, the kernel call and the rest.
+                FusedAdam's step in loop_1k into the plan's checks (address checks, grads, identity
+                checks), the kernel call and the rest.
 After timing, each pair's params are compared (they took the same steps from the same start), so a
 fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
 

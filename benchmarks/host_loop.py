@@ -15,8 +15,9 @@ Rows (``loop_<params>[_variant]``, each a pair timed in one run, alternating A/B
                                     (fully_shard, 2 forked gloo ranks, one thread each; rank 0's times)
   loop_dfa_1k                       DistributedFusedAdam.step (its own buckets, the grads reduced by
                                     grad_sync() first) vs DDP + AdamW(fused=True).step, 2 forked ranks
-``phases`` splits FusedAdam's step in loop_1k into the plan's checks (with the grads' collection), the
-kernel call and the rest (torch.optim's step wrapper, the grad-scaler and lr bookkeeping).
+``phases`` splits FusedAdam's step in loop_1k into the plan's checks (the packed moments' addresses, the
+grads' collection, the identity checks), the kernel call and the rest (torch.optim's step wrapper, the
+grad-scaler and lr bookkeeping).
 """
 
 from __future__ import annotations
@@ -80,11 +81,15 @@ def plain_loop(params: int, peer: str, set_to_none: bool, alternate, warmup: int
 
 def phases(params: int, warmup: int, reps: int) -> dict[str, float]:
     """Median milliseconds of FusedAdam's step in the loop (set_to_none=True) by phase: ``plan`` (the
-    step plan's checks and the grads' collection), ``kernel`` (the fused op, with its own checks of every
-    list), ``rest`` (the remainder of step(): torch.optim's wrapper, the grad scaler's and lr's handling)."""
+    step plan's checks and the grads' collection), itself split into ``plan_addresses`` (the packed
+    moments' address checks), ``plan_grads`` (reading the ``.grad`` of every param) and ``plan_identity``
+    (the rest: the identity checks of the params, the state and the step counts); ``kernel`` (the fused
+    op, with its own checks of every list); ``rest`` (the remainder of step(): torch.optim's wrapper, the
+    grad scaler's and lr's handling)."""
     import statistics
 
     import distopt.fused_adam.optimizer as fused_adam
+    from distopt.fused_adam import plan
 
     model = linear_stack(params)
     opt = FusedAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -101,21 +106,26 @@ def phases(params: int, warmup: int, reps: int) -> dict[str, float]:
         return wrapper
 
     opt._planned_calls = timed("plan", opt._planned_calls)
-    op = fused_adam.ops.adam_step_
+    op, addresses, grads = fused_adam.ops.adam_step_, plan.Call.addresses, plan.Call.grads
     fused_adam.ops.adam_step_ = timed("kernel", op)
+    plan.Call.addresses = timed("plan_addresses", addresses)
+    plan.Call.grads = timed("plan_grads", grads)
     try:
         step = timed_step(model, opt, set_to_none=True)
-        samples: dict[str, list[float]] = {"plan": [], "kernel": [], "rest": [], "step": []}
+        names = ("plan", "plan_addresses", "plan_grads", "kernel")
+        samples: dict[str, list[float]] = {name: [] for name in (*names, "plan_identity", "rest", "step")}
         for i in range(warmup + reps):
             spent.clear()
             total = step()
             if i >= warmup:
+                got = {name: spent.get(name, 0.0) for name in names}
+                for name in names:
+                    samples[name].append(got[name])
+                samples["plan_identity"].append(got["plan"] - got["plan_addresses"] - got["plan_grads"])
+                samples["rest"].append(total - got["plan"] - got["kernel"])
                 samples["step"].append(total)
-                samples["plan"].append(spent.get("plan", 0.0))
-                samples["kernel"].append(spent.get("kernel", 0.0))
-                samples["rest"].append(total - spent.get("plan", 0.0) - spent.get("kernel", 0.0))
     finally:
-        fused_adam.ops.adam_step_ = op
+        fused_adam.ops.adam_step_, plan.Call.addresses, plan.Call.grads = op, addresses, grads
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
