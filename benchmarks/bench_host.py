@@ -94,6 +94,7 @@ CASES = (
     Case("loop_10k_keep", "loop, kept grads", 10_000, 136, "FusedAdam", "AdamW(fused=True)"),
     Case("loop_fsdp2_1k", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
     Case("loop_fsdp2_1k_foreach", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
+    Case("loop_fsdp2_1k_first", "FSDP2 1st step", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
     Case("loop_dfa_1k", "loop, ws2 step", 1_000, 136, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
 )
 FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local", "fsdp2_kept")  # one run times them all
@@ -101,7 +102,8 @@ LOOP_FSDP2_CASES = ("loop_fsdp2_1k", "loop_fsdp2_1k_foreach")  # likewise
 TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1,  # ratio <= target
            "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15,
            "loop_1k": 0.5, "loop_1k_foreach": 0.5, "loop_1k_keep": 0.4, "loop_10k": 0.5, "loop_10k_foreach": 0.5,
-           "loop_10k_keep": 0.4, "loop_fsdp2_1k": 0.15, "loop_fsdp2_1k_foreach": 0.15, "loop_dfa_1k": 1.0}
+           "loop_10k_keep": 0.4, "loop_fsdp2_1k": 0.15, "loop_fsdp2_1k_foreach": 0.15, "loop_fsdp2_1k_first": 1.0,
+           "loop_dfa_1k": 1.0}
 CONFIGS = {
     "full": Config(warmup=5, reps=30, cases=CASES),
     "quick": Config(
@@ -385,6 +387,20 @@ def loop_fsdp2_cases(cases: Sequence[Case], cfg: Config, timeout: float) -> list
     return rows
 
 
+def loop_fsdp2_first_case(case: Case, cfg: Config, timeout: float) -> Row:
+    """loop_fsdp2_1k_first: first steps on new FSDP2 models (host_loop.py), a few repetitions, each in
+    new processes (each repetition pays a model's construction and torch's first-time dispatch)."""
+    from distopt.testing import run_ranks
+
+    times: dict[str, list[float]] = {"distopt": [], "torch": []}
+    for rep in range(min(cfg.reps, 4)):
+        got, (ours, theirs) = run_ranks(host_loop.fsdp2_first_rank, 2, (case.count, rep % 2 == 1),
+                                        timeout=timeout)[0]
+        for name in times:
+            times[name] += got[name]
+    return make_row(case, times, max_diff(ours, theirs), theirs)
+
+
 def loop_dfa_case(case: Case, cfg: Config, timeout: float) -> Row:
     from distopt.testing import run_ranks
 
@@ -469,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows += loop_fsdp2_cases([c for c in chosen if c.name in LOOP_FSDP2_CASES], cfg, args.timeout)
         elif case.name == "loop_dfa_1k":
             rows.append(loop_dfa_case(case, cfg, args.timeout))
+        elif case.name == "loop_fsdp2_1k_first":
+            rows.append(loop_fsdp2_first_case(case, cfg, args.timeout))
         elif case.name.startswith("loop_"):
             rows.append(loop_case(case, cfg))
         elif case.name == "dfa_ws2":

@@ -13,6 +13,8 @@ Rows (``loop_<params>[_variant]``, each a pair timed in one run, alternating A/B
   loop_fsdp2_1k, loop_fsdp2_1k_foreach
                                     FusedAdam vs AdamW(fused / foreach) on the same FSDP2 model
                                     (fully_shard, 2 forked gloo ranks, one thread each; rank 0's times)
+  loop_fsdp2_1k_first               the first step of each on a new FSDP2 model (state made, the plan
+                                    built; torch's DTensor dispatch plans its foreach ops the first time)
   loop_dfa_1k                       DistributedFusedAdam.step (its own buckets, the grads reduced by
                                     grad_sync() first) vs DDP + AdamW(fused=True).step, 2 forked ranks
 ``phases`` splits FusedAdam's step in loop_1k into the plan's checks (the packed moments' addresses, the
@@ -144,6 +146,25 @@ def fsdp2_rank(rank: int, world_size: int, params: int, warmup: int, reps: int, 
     times = alternate(fns, warmup, reps)
     whole = {name: [p.full_tensor() for p in m.parameters()] for name, m in models.items()}
     return times, whole
+
+
+def fsdp2_first_rank(rank: int, world_size: int, params: int, torch_first: bool):
+    """One rank of a loop_fsdp2_1k_first repetition, in new processes (torch's DTensor dispatch caches
+    how it shards an op once per process): the first step of FusedAdam and of AdamW(fused=True), each on
+    a new FSDP2 model (a backward first, the step timed after a barrier). Returns (times by contender,
+    both models' params)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    times: dict[str, list[float]] = {}
+    models = {}
+    for name in ("torch", "distopt") if torch_first else ("distopt", "torch"):
+        models[name] = linear_stack(params)
+        fully_shard(models[name], mesh=mesh)
+        opt = make_optimizer("distopt" if name == "distopt" else "fused", models[name].parameters())
+        times[name] = [timed_step(models[name], opt, True, rank, True)()]
+    return times, [[p.full_tensor() for p in models[name].parameters()] for name in ("distopt", "torch")]
 
 
 def dfa_rank(rank: int, world_size: int, params: int, warmup: int, reps: int, alternate):

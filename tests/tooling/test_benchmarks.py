@@ -76,7 +76,7 @@ def test_bench_kernels_cpu_quick(tmp_path: Path) -> None:
 BENCH_HOST = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host.py"
 HOST_CASES = {"fused_small", "fused_medium", "dfa_ws1", "dfa_ws2", "fsdp2_fused", "fsdp2_foreach", "fsdp2_local",
               "fsdp2_kept", "loop_1k", "loop_1k_foreach", "loop_1k_keep", "loop_10k", "loop_10k_foreach",
-              "loop_10k_keep", "loop_fsdp2_1k", "loop_fsdp2_1k_foreach", "loop_dfa_1k"}
+              "loop_10k_keep", "loop_fsdp2_1k", "loop_fsdp2_1k_foreach", "loop_fsdp2_1k_first", "loop_dfa_1k"}
 
 
 def test_bench_host_quick(tmp_path: Path) -> None:
