@@ -25,7 +25,8 @@ each repetition's back-to-back pair, distopt's time over torch's):
                 FusedAdam's step in loop_1k into the plan's checks (address checks, grads, identity
                 checks), the kernel call and the rest.
 After timing, each pair's params are compared (they took the same steps from the same start), so a
-fast wrong answer cannot pass. Writes results_host.json and results_host.png to --out.
+fast wrong answer cannot pass (host_rows.py: the pairs' timing, rows, table and plot). Writes
+results_host.json and results_host.png to --out.
 
     python benchmarks/bench_host.py --out /tmp/host            # the full tables (minutes)
     python benchmarks/bench_host.py --out /tmp/host --quick    # a smoke run (seconds)
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,85 +54,42 @@ from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
 import host_loop  # noqa: E402
-from common import plot_bars, publish, run_metadata, summarize, table_row  # noqa: E402
+from common import publish, run_metadata  # noqa: E402
+from host_rows import COLUMNS, Case, Config, Row, alternate, format_row, make_row, max_diff, plot  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
-RTOL, ATOL = 1e-4, 1e-6  # the pairs agree to fp32 rounding; a wrong update misses by orders more
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    what: str
-    count: int  # params
-    numel: int  # elements each
-    distopt: str
-    torch: str
-
-
-@dataclass(frozen=True)
-class Config:
-    warmup: int
-    reps: int
-    cases: tuple[Case, ...]
 
 
 CASES = (
-    Case("fused_small", "step", 10_000, 16, "FusedAdam", "AdamW(fused=True)"),
-    Case("fused_medium", "step", 1_000, 4_096, "FusedAdam", "AdamW(fused=True)"),
-    Case("dfa_ws1", "iteration", 1_000, 4_096, "DistributedFusedAdam ws1", "FusedAdam"),
-    Case("dfa_ws2", "backward+step", 10_000, 16, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
-    Case("fsdp2_fused", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
-    Case("fsdp2_foreach", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
-    Case("fsdp2_local", "step", 1_000, 16, "FusedAdam FSDP2", "FusedAdam local-size"),
-    Case("fsdp2_kept", "step (kept)", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
+    Case("fused_small", "step", 10_000, 16, "FusedAdam", "AdamW(fused=True)", 0.5),
+    Case("fused_medium", "step", 1_000, 4_096, "FusedAdam", "AdamW(fused=True)", 0.8),
+    Case("dfa_ws1", "iteration", 1_000, 4_096, "DistributedFusedAdam ws1", "FusedAdam", 1.2),
+    Case("dfa_ws2", "backward+step", 10_000, 16, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)", 1.1),
+    Case("fsdp2_fused", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2", 0.15),
+    Case("fsdp2_foreach", "step", 1_000, 16, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2", 0.15),
+    Case("fsdp2_local", "step", 1_000, 16, "FusedAdam FSDP2", "FusedAdam local-size", 1.0),
+    Case("fsdp2_kept", "step (kept)", 1_000, 16, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2", 0.15),
     # The loop users run (host_loop.py): Linear(16, 16) layers, 136 elements per param on average.
-    Case("loop_1k", "loop", 1_000, 136, "FusedAdam", "AdamW(fused=True)"),
-    Case("loop_1k_foreach", "loop", 1_000, 136, "FusedAdam", "AdamW(foreach=True)"),
-    Case("loop_1k_keep", "loop, kept grads", 1_000, 136, "FusedAdam", "AdamW(fused=True)"),
-    Case("loop_10k", "loop", 10_000, 136, "FusedAdam", "AdamW(fused=True)"),
-    Case("loop_10k_foreach", "loop", 10_000, 136, "FusedAdam", "AdamW(foreach=True)"),
-    Case("loop_10k_keep", "loop, kept grads", 10_000, 136, "FusedAdam", "AdamW(fused=True)"),
-    Case("loop_fsdp2_1k", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
-    Case("loop_fsdp2_1k_foreach", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2"),
-    Case("loop_fsdp2_1k_first", "FSDP2 1st step", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2"),
-    Case("loop_dfa_1k", "loop, ws2 step", 1_000, 136, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)"),
+    Case("loop_1k", "loop", 1_000, 136, "FusedAdam", "AdamW(fused=True)", 0.5),
+    Case("loop_1k_foreach", "loop", 1_000, 136, "FusedAdam", "AdamW(foreach=True)", 0.5),
+    Case("loop_1k_keep", "loop, kept grads", 1_000, 136, "FusedAdam", "AdamW(fused=True)", 0.4),
+    Case("loop_10k", "loop", 10_000, 136, "FusedAdam", "AdamW(fused=True)", 0.5),
+    Case("loop_10k_foreach", "loop", 10_000, 136, "FusedAdam", "AdamW(foreach=True)", 0.5),
+    Case("loop_10k_keep", "loop, kept grads", 10_000, 136, "FusedAdam", "AdamW(fused=True)", 0.4),
+    Case("loop_fsdp2_1k", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2", 0.15),
+    Case("loop_fsdp2_1k_foreach", "loop, FSDP2", 1_000, 136, "FusedAdam FSDP2", "AdamW(foreach=True) FSDP2", 0.15),
+    Case("loop_fsdp2_1k_first", "FSDP2 1st step", 1_000, 136, "FusedAdam FSDP2", "AdamW(fused=True) FSDP2", 1.0),
+    Case("loop_dfa_1k", "loop, ws2 step", 1_000, 136, "DistributedFusedAdam ws2", "DDP + AdamW(fused=True)", 1.0),
 )
 FSDP2_CASES = ("fsdp2_fused", "fsdp2_foreach", "fsdp2_local", "fsdp2_kept")  # one run times them all
 LOOP_FSDP2_CASES = ("loop_fsdp2_1k", "loop_fsdp2_1k_foreach")  # likewise
-TARGETS = {"fused_small": 0.5, "fused_medium": 0.8, "dfa_ws1": 1.2, "dfa_ws2": 1.1,  # ratio <= target
-           "fsdp2_fused": 0.15, "fsdp2_foreach": 0.15, "fsdp2_local": 1.0, "fsdp2_kept": 0.15,
-           "loop_1k": 0.5, "loop_1k_foreach": 0.5, "loop_1k_keep": 0.4, "loop_10k": 0.5, "loop_10k_foreach": 0.5,
-           "loop_10k_keep": 0.4, "loop_fsdp2_1k": 0.15, "loop_fsdp2_1k_foreach": 0.15, "loop_fsdp2_1k_first": 1.0,
-           "loop_dfa_1k": 1.0}
+TARGETS = {c.name: c.target for c in CASES}  # ratio <= target
 CONFIGS = {
     "full": Config(warmup=5, reps=30, cases=CASES),
     "quick": Config(
-        warmup=1, reps=3, cases=tuple(Case(c.name, c.what, c.count // 100, c.numel, c.distopt, c.torch) for c in CASES)
+        warmup=1, reps=3, cases=tuple(replace(c, count=c.count // 100) for c in CASES)
     ),
 }
-
-
-@dataclass
-class Row:
-    case: str
-    what: str
-    params: int
-    numel: int
-    distopt: str
-    torch: str
-    distopt_ms: float
-    distopt_p10_ms: float
-    distopt_p90_ms: float
-    torch_ms: float
-    torch_p10_ms: float
-    torch_p90_ms: float
-    ratio: float  # median of the repetitions' distopt / torch ratios (each pair ran back to back)
-    ratio_p10: float
-    ratio_p90: float
-    target: float
-    max_abs_diff: float  # between the two contenders' params after the run
-    reps: int
 
 
 class ParamBag(nn.Module):
@@ -151,54 +109,6 @@ class ParamBag(nn.Module):
 def batch(case: Case, rank: int, index: int) -> Tensor:
     g = torch.Generator().manual_seed(1000 * rank + index)
     return torch.randn(case.count, case.numel, generator=g)
-
-
-def alternate(fns: dict[str, Callable[[], float | None]], warmup: int, reps: int) -> dict[str, list[float]]:
-    """Milliseconds per call of each fn, the order reversed every repetition (ABBA...). A fn may time
-    a part of itself and return that (in ms) instead of None."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else reversed(names):
-            start = time.perf_counter()
-            inner = fns[name]()
-            times[name].append(inner if inner is not None else (time.perf_counter() - start) * 1e3)
-    return times
-
-
-def max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
-    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
-
-
-def make_row(case: Case, times: dict[str, list[float]], diff: float, reference: Sequence[Tensor]) -> Row:
-    ours, theirs = summarize(times["distopt"]), summarize(times["torch"])
-    pairs = summarize([a / b for a, b in zip(times["distopt"], times["torch"])])
-    scale = max(float(p.detach().abs().max()) for p in reference)
-    if not diff <= ATOL + RTOL * scale:
-        raise AssertionError(f"{case.name}: the two optimizers' params differ by {diff:g} after the same steps")
-    return Row(
-        case.name,
-        case.what,
-        case.count,
-        case.numel,
-        case.distopt,
-        case.torch,
-        ours.median_ms,
-        ours.p10_ms,
-        ours.p90_ms,
-        theirs.median_ms,
-        theirs.p10_ms,
-        theirs.p90_ms,
-        pairs.median_ms,
-        pairs.p10_ms,
-        pairs.p90_ms,
-        TARGETS[case.name],
-        diff,
-        ours.reps,
-    )
 
 
 # ------------------------------------------------------------------------------------------- cases
@@ -409,50 +319,6 @@ def loop_dfa_case(case: Case, cfg: Config, timeout: float) -> Row:
     return make_row(case, times, max_diff(ours, theirs), theirs)
 
 
-# ------------------------------------------------------------------------------------------ output
-
-_COLUMNS = (
-    ("case", 13),
-    ("what", 14),
-    ("params x elems", 15),
-    ("distopt ms", 11),
-    ("p10-p90", 15),
-    ("torch ms", 10),
-    ("p10-p90", 15),
-    ("ratio (pairs p10-p90)", 21),
-    ("target", 7),
-    ("vs", 24),
-)
-
-
-def _format(r: Row) -> str:
-    return table_row(
-        (
-            r.case,
-            r.what,
-            f"{r.params} x {r.numel}",
-            f"{r.distopt_ms:.4g}",
-            f"{r.distopt_p10_ms:.3g}-{r.distopt_p90_ms:.3g}",
-            f"{r.torch_ms:.4g}",
-            f"{r.torch_p10_ms:.3g}-{r.torch_p90_ms:.3g}",
-            f"{r.ratio:.2f}x ({r.ratio_p10:.2f}-{r.ratio_p90:.2f})",
-            f"<={r.target}x",
-            r.torch,
-        ),
-        _COLUMNS,
-    )
-
-
-def plot(path: Path, rows: Sequence[Row], title: str) -> bool:
-    labels = [f"{r.case}\n{r.params} x {r.numel}" for r in rows]
-    panels = {
-        "distopt (ms)": ([r.distopt_ms for r in rows], [(r.distopt_p10_ms, r.distopt_p90_ms) for r in rows]),
-        "torch / peer (ms)": ([r.torch_ms for r in rows], [(r.torch_p10_ms, r.torch_p90_ms) for r in rows]),
-        "ratio (lower is better)": ([r.ratio for r in rows], [(r.ratio_p10, r.ratio_p90) for r in rows]),
-    }
-    return plot_bars(path, labels, panels, title)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for results_host.json and .png")
@@ -515,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"host overhead (fp32, CPU, {args.threads} thread(s)): {stats}\n"
         f"{meta['device_name']}, torch {meta['torch']}, {meta['git_commit'] or 'no git'}"
     )
-    publish(args.out, "results_host", meta, rows, intro, _COLUMNS, _format, plot, title)
+    publish(args.out, "results_host", meta, rows, intro, COLUMNS, format_row, plot, title)
     return 0
 
 

@@ -52,12 +52,11 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_host import alternate  # noqa: E402
-
 from distopt import FusedAdam  # noqa: E402
 from distopt.distributed import DistributedFusedAdam  # noqa: E402
 
 from common import plot_bars, publish, run_metadata, summarize, sync, table_row  # noqa: E402
+from host_rows import alternate  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
