@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
@@ -100,6 +101,21 @@ def test_bench_host_quick(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "results_host.png").stat().st_size > 0
+
+
+def test_bench_host_rows_refuse_params_that_differ() -> None:
+    """The pair check of bench_host's rows: the ratio and target of agreeing params, and a refusal where
+    the two optimizers' params differ by more than fp32 rounding after the same steps (negative control)."""
+    sys.path.insert(0, str(BENCH_HOST.parent))
+    from host_rows import Case, make_row
+
+    case = Case("pair", "step", 2, 4, "FusedAdam", "AdamW(fused=True)", 0.5)
+    times = {"distopt": [1.0, 1.2, 0.9], "torch": [2.0, 2.0, 2.0]}
+    reference = [torch.full((4,), 3.0)]
+    row = make_row(case, times, 1e-7, reference)
+    assert row.ratio == 0.5 and row.target == 0.5 and row.reps == 3, row
+    with pytest.raises(AssertionError, match="differ by"):
+        make_row(case, times, 1e-3, reference)  # far past 1e-6 + 1e-4 * 3
 
 
 BENCH_OFFLOAD = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_offload.py"
